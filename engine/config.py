@@ -1,0 +1,145 @@
+"""EngineConfig: every knob of the engine, frozen and validated, with vLLM's names.
+
+Derived values (the resolved dtype, the bucket lists, the number of KV blocks) are computed by
+functions that return them; nothing is written back into the config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+POLICIES = ("fcfs", "priority", "static")
+KV_ALLOCATIONS = ("paged", "contiguous")
+ATTENTION_BACKENDS = ("auto", "xla", "pallas")
+DTYPES = ("float32", "bfloat16", "float16")
+DEFAULT_COMPILATION_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "jax")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    model: str = "default"  # "default", a GGUF file, a HF folder, an orbax folder, random:<name>
+    tokenizer: str | None = None  # tokenizer path when the model path carries none
+    dtype: str | None = None  # None: float32 on the CPU, bfloat16 on accelerators
+    attention_backend: str = "auto"  # auto: Pallas on TPU/GPU, xla on the CPU
+    interpret: bool = False  # run Pallas kernels in interpret mode (CPU tests)
+    max_num_seqs: int = 32  # requests in one step
+    max_num_batched_tokens: int = 256  # tokens in one step (the token budget)
+    max_model_len: int | None = None  # None: min(model context, 4096)
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int | None = None  # explicit KV cache size; overrides the two below
+    kv_cache_memory_fraction: float = 0.85  # of free device memory (accelerators)
+    kv_cache_bytes: int = 512 * 1024 * 1024  # byte budget on the CPU
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"  # fcfs | priority | static (baseline)
+    kv_allocation: str = "paged"  # paged | contiguous (baseline)
+    seed: int = 0  # random weights' seed and the default sampling key
+    token_buckets: tuple[int, ...] | None = None  # padded token counts; None: derived
+    seq_buckets: tuple[int, ...] | None = None  # padded request counts; None: derived
+    compilation_cache_dir: str | None = DEFAULT_COMPILATION_CACHE  # None: off
+    max_logprobs: int = 20  # most top logprobs a request may ask for
+    precompile: bool = True  # compile every bucket at start-up
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"EngineConfig.model must be a non-empty string, got {self.model!r}")
+        _choice("dtype", self.dtype, DTYPES, allow_none=True)
+        _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _choice("policy", self.policy, POLICIES)
+        _choice("kv_allocation", self.kv_allocation, KV_ALLOCATIONS)
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len)
+        _positive("block_size", self.block_size)
+        if self.num_kv_blocks is not None:
+            _positive("num_kv_blocks", self.num_kv_blocks)
+            if self.num_kv_blocks < 2:
+                raise ValueError("EngineConfig.num_kv_blocks must be >= 2 (block 0 is the null block)")
+        frac = self.kv_cache_memory_fraction
+        if isinstance(frac, bool) or not isinstance(frac, int | float) or not 0 < frac <= 1:
+            raise ValueError(f"EngineConfig.kv_cache_memory_fraction must be in (0, 1], got {frac!r}")
+        _positive("kv_cache_bytes", self.kv_cache_bytes)
+        _positive("max_logprobs", self.max_logprobs)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"EngineConfig.seed must be an integer, got {self.seed!r}")
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "interpret", "precompile"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"EngineConfig.{name} must be a boolean, got {getattr(self, name)!r}")
+        for name in ("token_buckets", "seq_buckets"):
+            buckets = getattr(self, name)
+            if buckets is None:
+                continue
+            buckets = tuple(buckets)
+            object.__setattr__(self, name, buckets)
+            if not buckets or any(isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in buckets):
+                raise ValueError(f"EngineConfig.{name} must be positive integers, got {buckets!r}")
+            if list(buckets) != sorted(set(buckets)):
+                raise ValueError(f"EngineConfig.{name} must be strictly increasing, got {buckets!r}")
+        if self.token_buckets is not None and self.token_buckets[-1] < self.max_num_batched_tokens:
+            raise ValueError(
+                "EngineConfig.token_buckets: the largest bucket "
+                f"({self.token_buckets[-1]}) must cover max_num_batched_tokens ({self.max_num_batched_tokens})"
+            )
+        if self.seq_buckets is not None and self.seq_buckets[-1] < self.max_num_seqs:
+            raise ValueError(
+                f"EngineConfig.seq_buckets: the largest bucket ({self.seq_buckets[-1]}) "
+                f"must cover max_num_seqs ({self.max_num_seqs})"
+            )
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> EngineConfig:
+        """Like the constructor, but an unknown knob is a ValueError that names it."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**kwargs)
+
+
+def default_buckets(limit: int, *, smallest: int) -> tuple[int, ...]:
+    """Powers of two from `smallest`, then linear steps of the largest power below 512 (padding
+    stays a small fraction), ending exactly at `limit`."""
+    buckets: list[int] = []
+    b = smallest
+    while b < limit and b < 512:
+        buckets.append(b)
+        b *= 2
+    step = buckets[-1] if buckets else limit
+    b = (buckets[-1] + step) if buckets else limit
+    while b < limit:
+        buckets.append(b)
+        b += step
+    buckets.append(limit)
+    return tuple(sorted(set(buckets)))
+
+
+def resolve_token_buckets(config: EngineConfig) -> tuple[int, ...]:
+    if config.token_buckets is not None:
+        return config.token_buckets
+    return default_buckets(config.max_num_batched_tokens, smallest=min(16, config.max_num_batched_tokens))
+
+
+def resolve_seq_buckets(config: EngineConfig) -> tuple[int, ...]:
+    if config.seq_buckets is not None:
+        return config.seq_buckets
+    return default_buckets(config.max_num_seqs, smallest=min(4, config.max_num_seqs))
+
+
+def resolve_dtype(config: EngineConfig, platform: str) -> str:
+    if config.dtype is not None:
+        return config.dtype
+    return "float32" if platform == "cpu" else "bfloat16"
+
+
+def _choice(name: str, value, choices, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if value not in choices:
+        raise ValueError(f"EngineConfig.{name} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def _positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")

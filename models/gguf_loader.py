@@ -1,0 +1,129 @@
+"""GGUF checkpoints: metadata -> ModelConfig, tensors dequantized through the `gguf` package.
+
+llama.cpp stores the Q and K projections of "llama" models with each head's rows permuted for its
+interleaved RoPE; `unpermute_rows` restores the rotate-half layout our RoPE (and HF) use. Every
+problem raises an error that names the file and what is wrong with it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from models.config import ModelConfig
+from models.weights import layer_from_matrices, to_device, unpermute_rows
+
+# Tensor types we dequantize (all through gguf.quants, which is numpy-vectorized).
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "F64", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                   "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+# GGUF per-layer tensor names -> the names `layer_from_matrices` expects.
+_LAYER_TENSORS = {
+    "attn_norm.weight": "attn_norm", "attn_q.weight": "q", "attn_k.weight": "k",
+    "attn_v.weight": "v", "attn_output.weight": "o", "ffn_norm.weight": "mlp_norm",
+    "ffn_gate.weight": "gate", "ffn_up.weight": "up", "ffn_down.weight": "down",
+    "attn_q.bias": "q_bias", "attn_k.bias": "k_bias", "attn_v.bias": "v_bias",
+}
+
+
+def open_gguf(path: str | os.PathLike):
+    """Opens a GGUF file, turning every failure into an error that names the file."""
+    import gguf
+
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: no such file")
+    if os.path.isdir(path):
+        raise ValueError(f"{path}: is a folder, not a GGUF file")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ValueError(f"{path}: not a GGUF file (magic bytes {magic!r}, expected b'GGUF')")
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # the reader raises ValueError, struct/index errors on truncation
+        raise ValueError(f"{path}: corrupted or truncated GGUF file ({type(e).__name__}: {e})") from None
+
+
+def gguf_metadata(reader) -> dict:
+    """Scalar and string fields as Python values (the big token/merge arrays are left out)."""
+    meta = {}
+    for key, field in reader.fields.items():
+        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores",
+                   "tokenizer.ggml.token_type"):
+            continue
+        try:
+            meta[key] = field.contents()
+        except Exception:  # a field of a type this gguf version cannot decode: not ours to need
+            continue
+    if "tokenizer.ggml.tokens" in reader.fields:
+        meta["tokenizer.ggml.tokens"] = range(len(reader.fields["tokenizer.ggml.tokens"].data))
+    return meta
+
+
+def _dequantize(path: str, tensor) -> np.ndarray:
+    from gguf import quants
+
+    type_name = tensor.tensor_type.name
+    if type_name not in SUPPORTED_TYPES:
+        raise ValueError(
+            f"{path}: tensor {tensor.name} has unsupported type {type_name} "
+            f"(supported: {', '.join(SUPPORTED_TYPES)})"
+        )
+    expected = tuple(int(n) for n in reversed(tensor.shape))
+    try:
+        arr = quants.dequantize(tensor.data, tensor.tensor_type)
+    except Exception as e:
+        raise ValueError(f"{path}: tensor {tensor.name} cannot be decoded ({e})") from None
+    arr = np.asarray(arr, dtype=np.float32)
+    if arr.size != int(np.prod(expected)):
+        raise ValueError(f"{path}: tensor {tensor.name} is truncated ({arr.size} values, expected {expected})")
+    return arr.reshape(expected)
+
+
+def load_gguf(path: str | os.PathLike, *, dtype: str = "float32", progress: bool = True):
+    """Returns (ModelConfig, params, reader); params are on the default device in `dtype`."""
+    path = os.fspath(path)
+    reader = open_gguf(path)
+    tensors = {t.name: t for t in reader.tensors}
+    meta = gguf_metadata(reader)
+    name = str(meta.get("general.name") or os.path.basename(path))
+    try:
+        config = ModelConfig.from_gguf_metadata(meta, name=name, tensor_names=set(tensors))
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    permute = config.architecture == "llama"
+
+    def get(tensor_name: str) -> np.ndarray:
+        if tensor_name not in tensors:
+            raise ValueError(f"{path}: missing tensor {tensor_name}")
+        return _dequantize(path, tensors[tensor_name])
+
+    bar = tqdm(total=len(tensors), desc=f"loading {os.path.basename(path)}", unit="tensor",
+               disable=not progress, leave=False)
+    layers = []
+    for i in range(config.num_layers):
+        m = {}
+        for suffix, ours in _LAYER_TENSORS.items():
+            full = f"blk.{i}.{suffix}"
+            if full in tensors:
+                m[ours] = get(full)
+                bar.update(1)
+        if permute:
+            for key, heads in (("q", config.num_heads), ("k", config.num_kv_heads),
+                               ("q_bias", config.num_heads), ("k_bias", config.num_kv_heads)):
+                if key in m:
+                    m[key] = unpermute_rows(m[key], heads)
+        layers.append(to_device(layer_from_matrices(config, m, f"{path}: layer {i}"), dtype))
+    params = {"embed": get("token_embd.weight"), "final_norm": get("output_norm.weight")}
+    if not config.tie_word_embeddings:
+        params["lm_head"] = get("output.weight").T
+    embed_shape = (config.vocab_size, config.hidden_size)
+    if params["embed"].shape != embed_shape:
+        raise ValueError(f"{path}: token_embd.weight has shape {params['embed'].shape}, expected {embed_shape}")
+    params = to_device(params, dtype)
+    params["layers"] = layers
+    bar.close()
+    return config, params, reader

@@ -1,0 +1,98 @@
+"""Hugging Face folders: config.json plus model.safetensors or a sharded index.
+
+Tensors are read shard by shard with safetensors' numpy reader (memory-mapped), mapped to our
+layout by `models.weights.layer_from_matrices`, and cast to the requested dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from models.config import ModelConfig
+from models.weights import layer_from_matrices, to_device
+
+_LAYER_TENSORS = {
+    "input_layernorm.weight": "attn_norm", "self_attn.q_proj.weight": "q",
+    "self_attn.k_proj.weight": "k", "self_attn.v_proj.weight": "v",
+    "self_attn.o_proj.weight": "o", "post_attention_layernorm.weight": "mlp_norm",
+    "mlp.gate_proj.weight": "gate", "mlp.up_proj.weight": "up", "mlp.down_proj.weight": "down",
+    "self_attn.q_proj.bias": "q_bias", "self_attn.k_proj.bias": "k_bias",
+    "self_attn.v_proj.bias": "v_bias",
+}
+
+
+def safetensors_files(folder: str) -> dict[str, str]:
+    """Tensor name -> shard path, from model.safetensors.index.json or the lone shard(s)."""
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"{index}: not a valid safetensors index ({e})") from None
+        return {name: os.path.join(folder, shard) for name, shard in weight_map.items()}
+    shards = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"{folder}: no *.safetensors files in the model folder")
+    from safetensors import safe_open
+
+    mapping = {}
+    for shard in shards:
+        path = os.path.join(folder, shard)
+        try:
+            with safe_open(path, framework="np") as f:
+                mapping.update(dict.fromkeys(f.keys(), path))
+        except Exception as e:
+            raise ValueError(f"{path}: corrupted or truncated safetensors file ({e})") from None
+    return mapping
+
+
+def load_hf_folder(folder: str | os.PathLike, *, dtype: str = "float32", progress: bool = True):
+    """Returns (ModelConfig, params) from a HF checkpoint folder."""
+    from safetensors import safe_open
+
+    folder = os.fspath(folder)
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"{folder}: no such model folder")
+    config = ModelConfig.from_hf_folder(folder)
+    locations = safetensors_files(folder)
+    by_shard: dict[str, list[str]] = {}
+    for name, path in locations.items():
+        by_shard.setdefault(path, []).append(name)
+    tensors: dict[str, np.ndarray] = {}
+    bar = tqdm(total=len(locations), desc=f"loading {os.path.basename(folder)}", unit="tensor",
+               disable=not progress, leave=False)
+    for path, names in by_shard.items():
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{path}: shard named in the index is missing")
+        try:
+            with safe_open(path, framework="np") as f:
+                for name in names:
+                    tensors[name] = np.asarray(f.get_tensor(name), dtype=np.float32)
+                    bar.update(1)
+        except FileNotFoundError:
+            raise
+        except Exception as e:
+            raise ValueError(f"{path}: corrupted or truncated safetensors file ({e})") from None
+    bar.close()
+
+    def get(name: str) -> np.ndarray:
+        if name not in tensors:
+            raise ValueError(f"{folder}: missing tensor {name}")
+        return tensors[name]
+
+    layers = []
+    for i in range(config.num_layers):
+        prefix = f"model.layers.{i}."
+        m = {ours: tensors[prefix + hf] for hf, ours in _LAYER_TENSORS.items() if prefix + hf in tensors}
+        layers.append(to_device(layer_from_matrices(config, m, f"{folder}: layer {i}"), dtype))
+    params = {"embed": get("model.embed_tokens.weight"), "final_norm": get("model.norm.weight")}
+    if not config.tie_word_embeddings:
+        params["lm_head"] = get("lm_head.weight").T
+    params = to_device(params, dtype)
+    params["layers"] = layers
+    return config, params

@@ -1,0 +1,158 @@
+"""The Llama-family decoder as pure functions of a parameter pytree.
+
+Einsum axes: t tokens, s key positions (dense path), e hidden, h query heads, k KV heads,
+g query heads per KV head (h = k * g), d head dim, f MLP width, v vocabulary.
+
+Parameters (a plain dict pytree; `layers` is a list with one dict per layer):
+    embed [v, e]; final_norm [e]; lm_head [e, v] (absent when embeddings are tied)
+    layer: attn_norm [e], wq [e, h, d], wk [e, k, d], wv [e, k, d], (bq [h, d], bk [k, d],
+           bv [k, d] with attention_bias), wo [h, d, e], mlp_norm [e], w_gate [e, f], w_up [e, f],
+           w_down [f, e]
+
+Two attention paths share every other piece of the model:
+1. `forward_dense(params, config, token_ids)`: one sequence, causal attention over its own K/V,
+   no cache. It is the oracle the paged path is tested against.
+2. `forward_paged(params, config, kv_cache, batch)`: a ragged batch of prefill chunks and decodes
+   flattened over tokens; each layer writes the new K/V at `slot_mapping` and attends over the
+   paged cache through `pallas_kernels.ragged_paged_attention`. Returns logits only at
+   `batch.logits_indices` (one row per sequence), since that is all a step samples from.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.config import ModelConfig
+from pallas_kernels import ragged_paged_attention, write_kv
+
+
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+    """Inverse frequencies [d/2] with the model's RoPE scaling applied (float64 numpy)."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    # llama3: long wavelengths are slowed by `factor`, short ones kept, a smooth ramp between.
+    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    ramp = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    middle = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    return np.where(middle, ramp, scaled)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotates x [t, n, d] by position (the rotate-half layout of HF checkpoints)."""
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [t, d/2]
+    cos = jnp.cos(angles)[:, None, :]
+    sin = jnp.sin(angles)[:, None, :]
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    x1, x2 = x32[..., :half], x32[..., half:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def _qkv(layer: dict, h: jax.Array, positions: jax.Array, inv_freq: jax.Array):
+    q = jnp.einsum("te,ehd->thd", h, layer["wq"])
+    k = jnp.einsum("te,ekd->tkd", h, layer["wk"])
+    v = jnp.einsum("te,ekd->tkd", h, layer["wv"])
+    if "bq" in layer:
+        q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
+    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+
+def _mlp(layer: dict, h: jax.Array) -> jax.Array:
+    gate = jnp.einsum("te,ef->tf", h, layer["w_gate"])
+    up = jnp.einsum("te,ef->tf", h, layer["w_up"])
+    return jnp.einsum("tf,fe->te", jax.nn.silu(gate) * up, layer["w_down"])
+
+
+def _logits(params: dict, h: jax.Array) -> jax.Array:
+    if "lm_head" in params:
+        return jnp.einsum("te,ev->tv", h, params["lm_head"], preferred_element_type=jnp.float32)
+    return jnp.einsum("te,ve->tv", h, params["embed"], preferred_element_type=jnp.float32)
+
+
+def dense_causal_attention(q, k, v, sm_scale: float, sliding_window: int | None = None):
+    """q [t, h, d], k/v [t, k, d] of one sequence; plain softmax attention, causal."""
+    t, num_heads, d = q.shape
+    groups = num_heads // k.shape[1]
+    qg = q.reshape(t, k.shape[1], groups, d)
+    scores = jnp.einsum("tkgd,skd->kgts", qg, k, preferred_element_type=jnp.float32) * sm_scale
+    pos = jnp.arange(t)
+    mask = pos[None, :] <= pos[:, None]
+    if sliding_window is not None:
+        mask &= pos[None, :] > pos[:, None] - sliding_window
+    scores = jnp.where(mask, scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("kgts,skd->tkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(t, num_heads, d).astype(q.dtype)
+
+
+def forward_dense(params: dict, config: ModelConfig, token_ids: jax.Array) -> jax.Array:
+    """Logits [t, v] (float32) for one sequence of token ids [t], no cache."""
+    inv_freq = jnp.asarray(rope_inv_freq(config), jnp.float32)
+    positions = jnp.arange(token_ids.shape[0], dtype=jnp.int32)
+    sm_scale = 1.0 / math.sqrt(config.head_dim)
+    x = params["embed"][token_ids]
+    for layer in params["layers"]:
+        h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
+        q, k, v = _qkv(layer, h, positions, inv_freq)
+        attn = dense_causal_attention(q, k, v, sm_scale, config.sliding_window)
+        x = x + jnp.einsum("thd,hde->te", attn, layer["wo"])
+        x = x + _mlp(layer, rms_norm(x, layer["mlp_norm"], config.rms_norm_eps))
+    return _logits(params, rms_norm(x, params["final_norm"], config.rms_norm_eps))
+
+
+def forward_paged(
+    params: dict,
+    config: ModelConfig,
+    kv_cache: list,
+    batch,
+    *,
+    attention_backend: str = "xla",
+    interpret: bool = False,
+):
+    """One step over a ragged batch; returns (kv_cache, logits [S, v] float32).
+
+    `kv_cache` is a list with one (k_pages, v_pages) pair per layer, each
+    [num_blocks, block_size, k, d]. `batch` has the StepInputs fields: input_ids [T], positions [T],
+    slot_mapping [T], query_start_loc [S+1], seq_lens [S], block_tables [S, max_blocks_per_seq],
+    logits_indices [S], num_seqs [] (see engine/step_inputs.py).
+    """
+    inv_freq = jnp.asarray(rope_inv_freq(config), jnp.float32)
+    sm_scale = 1.0 / math.sqrt(config.head_dim)
+    x = params["embed"][batch.input_ids]
+    new_cache = []
+    for layer, (k_pages, v_pages) in zip(params["layers"], kv_cache, strict=True):
+        h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
+        q, k, v = _qkv(layer, h, batch.positions, inv_freq)
+        k_pages, v_pages = write_kv(k_pages, v_pages, k, v, batch.slot_mapping)
+        new_cache.append((k_pages, v_pages))
+        attn = ragged_paged_attention(
+            q, k_pages, v_pages, batch.seq_lens, batch.block_tables, batch.query_start_loc,
+            batch.num_seqs, sm_scale=sm_scale, sliding_window=config.sliding_window,
+            backend=attention_backend, interpret=interpret,
+        )
+        x = x + jnp.einsum("thd,hde->te", attn, layer["wo"])
+        x = x + _mlp(layer, rms_norm(x, layer["mlp_norm"], config.rms_norm_eps))
+    h = rms_norm(x[batch.logits_indices], params["final_norm"], config.rms_norm_eps)
+    return new_cache, _logits(params, h)

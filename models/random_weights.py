@@ -1,0 +1,51 @@
+"""Random weights of a named shape (`random:<name>`): performance work and tests, no downloads.
+
+Weights are drawn on the device, tensor by tensor, directly in the target dtype, so an 8B-shaped
+model costs no host memory. Scales keep activations O(1) through the layers.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from models.config import ModelConfig
+
+
+def random_params(config: ModelConfig, *, seed: int = 0, dtype: str = "float32") -> dict:
+    e, f, d = config.hidden_size, config.intermediate_size, config.head_dim
+    h, k = config.num_heads, config.num_kv_heads
+    target = jnp.dtype(dtype)
+    counter = iter(range(1 << 30))
+    base = jax.random.key(seed)
+
+    def normal(shape, fan_in):
+        key = jax.random.fold_in(base, next(counter))
+        return (jax.random.normal(key, shape, jnp.float32) / jnp.sqrt(fan_in)).astype(target)
+
+    def norm_weight():
+        key = jax.random.fold_in(base, next(counter))
+        return (1.0 + 0.1 * jax.random.normal(key, (e,), jnp.float32)).astype(target)
+
+    layers = []
+    for _ in range(config.num_layers):
+        layer = {
+            "attn_norm": norm_weight(),
+            "wq": normal((e, h, d), e),
+            "wk": normal((e, k, d), e),
+            "wv": normal((e, k, d), e),
+            "wo": normal((h, d, e), h * d * config.num_layers),
+            "mlp_norm": norm_weight(),
+            "w_gate": normal((e, f), e),
+            "w_up": normal((e, f), e),
+            "w_down": normal((f, e), f * config.num_layers),
+        }
+        if config.attention_bias:
+            layer["bq"] = normal((h, d), 16.0)
+            layer["bk"] = normal((k, d), 16.0)
+            layer["bv"] = normal((k, d), 16.0)
+        layers.append(layer)
+    params = {"embed": normal((config.vocab_size, e), 1.0), "layers": layers, "final_norm": norm_weight()}
+    if not config.tie_word_embeddings:
+        params["lm_head"] = normal((e, config.vocab_size), e)
+    return params
