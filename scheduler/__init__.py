@@ -1,0 +1,27 @@
+"""Plain-Python scheduling for jaxserve: requests, a paged KV block pool with prefix caching, and a
+continuous-batching scheduler with chunked prefill and preemption. Stdlib only (DESIGN.md section 1).
+
+The walkthrough of one step is at the top of `scheduler/scheduler.py`.
+"""
+
+from scheduler.block_pool import BlockPool
+from scheduler.config import SchedulerConfig
+from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.outputs import KVWaste, ScheduledRequest, SchedulerOutput, SchedulerStats, StepResult
+from scheduler.request import FinishReason, Request, RequestStatus
+from scheduler.scheduler import Scheduler
+
+__all__ = [
+    "BlockPool",
+    "FinishReason",
+    "KVCacheManager",
+    "KVWaste",
+    "Request",
+    "RequestStatus",
+    "ScheduledRequest",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    "SchedulerStats",
+    "StepResult",
+]

@@ -1,0 +1,84 @@
+"""SchedulerConfig: the knobs of DESIGN.md section 3, validated once at construction."""
+
+from __future__ import annotations
+
+import dataclasses
+
+POLICIES = ("fcfs", "priority", "static")
+KV_ALLOCATIONS = ("paged", "contiguous")
+
+
+def _check_positive_int(name: str, value: object, minimum: int = 1) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ValueError(f"SchedulerConfig.{name} must be {what}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    # Most requests running at once (rows of the batch).
+    max_num_seqs: int = 256
+    # Token budget of one step: decodes (1 token each) plus prefill chunks.
+    max_num_batched_tokens: int = 2048
+    # Longest sequence (prompt + output); a request stops with "length" when it gets there.
+    max_model_len: int = 2048
+    # Tokens per KV block.
+    block_size: int = 16
+    # Blocks in the pool, including the null block 0 that is never handed out. The engine
+    # usually computes this from a memory fraction.
+    num_blocks: int = 1024
+    # Reuse full blocks whose token prefix matches (hash chain over blocks).
+    enable_prefix_caching: bool = True
+    # Let a prompt that does not fit the remaining budget take part of it and continue next step.
+    enable_chunked_prefill: bool = True
+    # "fcfs" (continuous batching), "priority" (lower value first, may preempt), or the
+    # "static" baseline (a new batch only when the previous one has completely finished).
+    policy: str = "fcfs"
+    # "paged" (blocks on demand) or the "contiguous" baseline (reserve max_model_len per request).
+    kv_allocation: str = "paged"
+
+    def __post_init__(self) -> None:
+        _check_positive_int("max_num_seqs", self.max_num_seqs)
+        _check_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _check_positive_int("max_model_len", self.max_model_len, minimum=2)
+        _check_positive_int("block_size", self.block_size)
+        _check_positive_int("num_blocks", self.num_blocks, minimum=2)
+        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"SchedulerConfig.{name} must be a bool, got {getattr(self, name)!r}"
+                )
+        if self.policy not in POLICIES:
+            raise ValueError(
+                f"SchedulerConfig.policy must be one of {POLICIES}, got {self.policy!r}"
+            )
+        if self.kv_allocation not in KV_ALLOCATIONS:
+            raise ValueError(
+                f"SchedulerConfig.kv_allocation must be one of {KV_ALLOCATIONS}, "
+                f"got {self.kv_allocation!r}"
+            )
+        if (self.num_blocks - 1) * self.block_size < self.max_model_len:
+            raise ValueError(
+                "SchedulerConfig.num_blocks is too small for one request of max_model_len tokens: "
+                f"(num_blocks - 1) * block_size = ({self.num_blocks} - 1) * {self.block_size} < "
+                f"max_model_len = {self.max_model_len}; raise num_blocks to at least "
+                f"{self.max_blocks_per_seq + 1} or lower max_model_len"
+            )
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"SchedulerConfig.max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({self.max_num_seqs}) so every running request can decode at every "
+                "step; raise max_num_batched_tokens or lower max_num_seqs"
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"SchedulerConfig.max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({self.max_model_len}) when enable_chunked_prefill is False, or a "
+                "long prompt could never be scheduled; raise max_num_batched_tokens, lower "
+                "max_model_len, or enable chunked prefill"
+            )
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        """Blocks one request of max_model_len tokens needs (the contiguous reservation)."""
+        return -(-self.max_model_len // self.block_size)

@@ -1,0 +1,132 @@
+"""KVCacheManager: the block table of each admitted request, on top of the BlockPool.
+
+Invariants:
+- A block table is append-only while its request holds it; `free` drops it whole.
+- Each block's ref count equals the number of live block tables that hold it.
+- A request's table covers at least its computed tokens plus those scheduled this step.
+- Prefix hits only cover full blocks inside the first `num_tokens - 1` tokens: the last known token
+  is always computed (its logits give the next token), and a request never writes a shared block.
+"""
+
+from __future__ import annotations
+
+from scheduler.block_pool import ROOT_BLOCK_HASH, BlockPool, hash_block_tokens
+from scheduler.config import SchedulerConfig
+from scheduler.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.block_size = config.block_size
+        self.enable_prefix_caching = config.enable_prefix_caching
+        # Contiguous baseline: reserve a whole max_model_len sequence at admission.
+        self.num_reserved_blocks = (
+            config.max_blocks_per_seq if config.kv_allocation == "contiguous" else 0
+        )
+        self.pool = BlockPool(config.num_blocks, config.enable_prefix_caching)
+        self.block_tables: dict[str, list[int]] = {}
+        # Per table, how many leading blocks were already offered to the prefix cache.
+        self._num_registered: dict[str, int] = {}
+        self.prefix_cache_queries = 0  # tokens looked up at admissions (prefix caching on)
+        self.prefix_cache_hits = 0  # of those, tokens found in the cache
+
+    def update_block_hashes(self, request: Request) -> None:
+        """Hash each full block of `request` not hashed yet (each block is hashed exactly once)."""
+        if not self.enable_prefix_caching:
+            return
+        hashes, bs = request.block_hashes, self.block_size
+        num_full = request.num_tokens // bs
+        if len(hashes) >= num_full:
+            return
+        parent = hashes[-1] if hashes else ROOT_BLOCK_HASH
+        for i in range(len(hashes), num_full):
+            parent = hash_block_tokens(parent, request.token_slice(i * bs, (i + 1) * bs))
+            hashes.append(parent)
+
+    def get_computed_blocks(self, request: Request) -> list[int]:
+        """Blocks of the longest cached prefix of a request not yet admitted (takes no references).
+
+        Computed tokens = len(result) * block_size, always < request.num_tokens.
+        """
+        if not self.enable_prefix_caching or request.req_id in self.block_tables:
+            return []
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        lookup = self.pool.hash_to_block.get
+        hits: list[int] = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block_id = lookup(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_block_ids: list[int] | None = None
+    ) -> list[int] | None:
+        """Extend `request`'s table to hold its computed tokens plus `num_new_tokens` more.
+
+        `computed_block_ids` (from `get_computed_blocks`, only at admission) are prefix hits that
+        start the table; they count as computed tokens ahead of `request.num_computed_tokens`.
+        Returns the newly allocated block ids, or None (changing nothing) when the pool is short.
+        """
+        computed = computed_block_ids or []
+        table = self.block_tables.get(request.req_id)
+        is_new = table is None
+        if is_new:
+            table = []
+        elif computed:
+            raise ValueError(f"allocate_slots: {request.req_id!r} is admitted; no prefix hits now")
+        bs = self.block_size
+        num_tokens = request.num_computed_tokens + len(computed) * bs + num_new_tokens
+        num_required = max(-(-num_tokens // bs), self.num_reserved_blocks if is_new else 0)
+        num_new_blocks = max(num_required - len(table) - len(computed), 0)
+        # Hits on ref-0 blocks take them out of the evictable set, so they do not count as room.
+        ref_cnt = self.pool.ref_cnt
+        num_hits_cached = sum(1 for block_id in computed if ref_cnt[block_id] == 0)
+        if num_new_blocks > self.pool.num_available_blocks - num_hits_cached:
+            return None
+        if computed:
+            self.pool.touch(computed)
+            table.extend(computed)
+        new_block_ids = self.pool.allocate(num_new_blocks) if num_new_blocks else []
+        table.extend(new_block_ids)
+        if is_new:
+            self.block_tables[request.req_id] = table
+            self._num_registered[request.req_id] = len(computed)
+            if self.enable_prefix_caching:
+                self.prefix_cache_queries += request.num_tokens
+                self.prefix_cache_hits += len(computed) * bs
+        return new_block_ids
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Offer the request's newly full, computed blocks to the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        req_id = request.req_id
+        start = self._num_registered[req_id]
+        end = request.num_computed_tokens // self.block_size
+        if end <= start:
+            return
+        self.update_block_hashes(request)
+        table, hashes, register = (
+            self.block_tables[req_id],
+            request.block_hashes,
+            self.pool.register,
+        )
+        for i in range(start, end):
+            register(table[i], hashes[i])
+        self._num_registered[req_id] = end
+
+    def free(self, request: Request) -> None:
+        """Drop the request's table; full registered blocks stay cached until evicted."""
+        table = self.block_tables.pop(request.req_id, None)
+        if table is not None:
+            self._num_registered.pop(request.req_id)
+            self.pool.free(table)
+
+    def get_block_ids(self, req_id: str) -> list[int]:
+        """The live table of `req_id` (empty if it holds none). Do not mutate."""
+        return self.block_tables.get(req_id, [])
+
+    def num_allocated_slots(self, req_id: str) -> int:
+        return len(self.block_tables.get(req_id, ())) * self.block_size

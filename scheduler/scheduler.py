@@ -1,0 +1,343 @@
+"""Scheduler: who runs at each token step, with how many tokens, and which KV blocks they own.
+
+One step, in order (DESIGN.md sections 2-3):
+ 1. `schedule()` starts from the token budget, max_num_batched_tokens. Under policy "static", if
+    nothing runs, it first admits a whole batch (up to max_num_seqs requests whose prompts fit in
+    the pool); otherwise nobody new joins until that batch has finished.
+ 2. Running requests that decode (one uncomputed token) are scheduled first, in admission order.
+    A decode whose last block is full gets a new block; if the pool is short, the newest running
+    request (the lowest priority one under "priority") is preempted by recompute: its blocks are
+    freed (full ones stay in the prefix cache), its progress resets to 0, and it goes back to the
+    front of the waiting queue. A request preempted in this step is never scheduled in it.
+ 3. Running requests still in their prompt (chunked prefill) take what the budget leaves.
+ 4. Waiting requests are admitted in queue order (fcfs: arrival; priority: lower value first) while
+    the budget, max_num_seqs and the pool allow, unless step 2 had to preempt. Each starts at its
+    prefix-cache hit (full blocks inside its first num_tokens - 1 tokens). A prompt larger than the
+    budget takes what is left with chunked prefill, and otherwise waits (and so does everyone
+    behind it). Under "priority", a waiting request may preempt a running one of lower priority.
+ 5. The `SchedulerOutput` lists each scheduled request's tokens, position and whole block table,
+    plus the ids finished, aborted and preempted since the last step.
+ 6. The engine runs the step and calls `update(output, step_result)`: computed counts advance,
+    sampled tokens are appended, finishes are decided (EOS unless ignored, stop token, max_tokens,
+    max_model_len), newly full blocks enter the prefix cache, and finished requests free blocks.
+
+Both methods cost O(scheduled requests), plus O(running) only on preemption under "priority".
+"""
+
+from __future__ import annotations
+
+from scheduler.config import SchedulerConfig
+from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.outputs import KVWaste, ScheduledRequest, SchedulerOutput, SchedulerStats, StepResult
+from scheduler.queues import FCFSQueue, PriorityQueue
+from scheduler.request import FinishReason, Request, RequestStatus
+
+RUNNING = RequestStatus.RUNNING
+
+
+class _StepPlan:
+    """What one schedule() call has decided so far."""
+
+    __slots__ = ("budget", "scheduled", "preempted")
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.scheduled: dict[str, ScheduledRequest] = {}  # insertion order is the output order
+        self.preempted: dict[str, None] = {}
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.kv_cache_manager = KVCacheManager(config)
+        self.waiting = PriorityQueue() if config.policy == "priority" else FCFSQueue()
+        # Admitted requests in admission order (a dict: O(1) removal, newest is the last key).
+        self.running: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}  # live: waiting or running
+        self.num_preemptions = 0
+        self._num_steps = 0
+        self._finished_req_ids: list[str] = []
+        self._aborted_req_ids: list[str] = []
+        # Requests scheduled by the latest schedule() that still await update().
+        self._pending: dict[str, Request] | None = None
+
+    # -- requests in and out -----------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if not isinstance(request, Request):
+            raise TypeError(f"add_request takes a Request, got {type(request).__name__}")
+        rid, num_prompt = request.req_id, request.num_prompt_tokens
+        if num_prompt == 0:
+            raise ValueError(f"request {rid!r}: the prompt is empty")
+        if num_prompt >= self.config.max_model_len:
+            raise ValueError(
+                f"request {rid!r}: the prompt has {num_prompt} tokens, max_model_len is "
+                f"{self.config.max_model_len}; a prompt must be shorter, to leave room for output"
+            )
+        if rid in self.requests:
+            raise ValueError(f"request {rid!r}: a live request already has this req_id")
+        if request.status is not RequestStatus.WAITING or request.output_token_ids:
+            raise ValueError(f"request {rid!r}: already used; build a new Request")
+        self.kv_cache_manager.update_block_hashes(request)
+        self.requests[rid] = request
+        self.waiting.push(request)
+
+    def abort_request(self, req_id: str) -> bool:
+        """Cancel a live request and free its blocks now; False if unknown or finished."""
+        return self._finish(req_id, RequestStatus.ABORTED, FinishReason.ABORT)
+
+    def finish_request(self, req_id: str, reason: FinishReason | str) -> bool:
+        """Finish a live request for a reason the engine decided (e.g. a stop string)."""
+        reason = FinishReason(reason)
+        status = RequestStatus.ABORTED if reason is FinishReason.ABORT else RequestStatus.FINISHED
+        return self._finish(req_id, status, reason)
+
+    def _finish(self, req_id: str, status: RequestStatus, reason: FinishReason) -> bool:
+        request = self.requests.pop(req_id, None)
+        if request is None:
+            return False
+        if request.status is RUNNING:
+            del self.running[req_id]
+            self.kv_cache_manager.free(request)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        request.finish_reason = reason
+        ids = self._aborted_req_ids if status is RequestStatus.ABORTED else self._finished_req_ids
+        ids.append(req_id)
+        return True
+
+    def get_request(self, req_id: str) -> Request | None:
+        return self.requests.get(req_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- schedule ----------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        if self._pending:
+            raise RuntimeError(
+                "Scheduler.schedule() called again before update(): pass the previous "
+                "SchedulerOutput and its StepResult to update() first"
+            )
+        config = self.config
+        plan = _StepPlan(config.max_num_batched_tokens)
+        if config.policy == "static" and not self.running:
+            self._admit_static_batch()
+
+        # Steps 2-3: decodes, then unfinished prefills; a snapshot, as preemption edits `running`.
+        prefilling: list[Request] = []
+        for request in list(self.running.values()):
+            if request.status is not RUNNING:
+                continue  # preempted earlier in this loop
+            if request.num_tokens - request.num_computed_tokens == 1:
+                if plan.budget >= 1:
+                    self._schedule_running(request, 1, plan)
+            else:
+                prefilling.append(request)
+        for request in prefilling:
+            if plan.budget == 0:
+                break
+            if request.status is not RUNNING:
+                continue
+            num_new = request.num_tokens - request.num_computed_tokens
+            if num_new > plan.budget:
+                if not config.enable_chunked_prefill:
+                    continue
+                num_new = plan.budget
+            self._schedule_running(request, num_new, plan)
+
+        # Step 4: admissions (none after a preemption: the pool is short already).
+        if config.policy != "static" and not plan.preempted:
+            self._admit_waiting(plan)
+
+        self._num_steps += 1
+        output = SchedulerOutput(
+            step_id=self._num_steps,
+            scheduled=list(plan.scheduled.values()),
+            num_batched_tokens=config.max_num_batched_tokens - plan.budget,
+            finished_req_ids=self._finished_req_ids,
+            aborted_req_ids=self._aborted_req_ids,
+            preempted_req_ids=list(plan.preempted),
+        )
+        self._finished_req_ids, self._aborted_req_ids = [], []
+        self._pending = {rid: self.running[rid] for rid in plan.scheduled}
+        return output
+
+    def _schedule_running(self, request: Request, num_new: int, plan: _StepPlan) -> None:
+        """Allocate for and schedule a running request, preempting others while blocks are short."""
+        while True:
+            if self.kv_cache_manager.allocate_slots(request, num_new) is not None:
+                self._add_to_plan(request, num_new, plan)
+                return
+            victim = self._pick_victim()
+            self._preempt(victim, plan)
+            if victim is request:
+                return
+
+    def _admit_waiting(self, plan: _StepPlan) -> None:
+        config, kv = self.config, self.kv_cache_manager
+        block_size = config.block_size
+        while self.waiting and plan.budget > 0:
+            request = self.waiting.peek()
+            if request.req_id in plan.preempted:
+                return  # preempted in this step: it must not be scheduled in it
+            if len(self.running) >= config.max_num_seqs and not self._preempt_for(request, plan):
+                return
+            computed = kv.get_computed_blocks(request)
+            num_computed = len(computed) * block_size
+            num_new = request.num_tokens - num_computed
+            if num_new > plan.budget:
+                if not config.enable_chunked_prefill:
+                    return  # the prompt waits for a step with room, and so does the queue
+                num_new = plan.budget
+            if kv.allocate_slots(request, num_new, computed) is None:
+                if self._preempt_for(request, plan):
+                    continue  # blocks were freed; look the prefix up again
+                return
+            self.waiting.pop()
+            self._start_running(request, num_computed)
+            self._add_to_plan(request, num_new, plan)
+
+    def _admit_static_batch(self) -> None:
+        """Static baseline: admit up to max_num_seqs waiting requests whose prompts fit now."""
+        kv = self.kv_cache_manager
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            computed = kv.get_computed_blocks(request)
+            num_computed = len(computed) * self.config.block_size
+            if kv.allocate_slots(request, request.num_tokens - num_computed, computed) is None:
+                return
+            self.waiting.pop()
+            self._start_running(request, num_computed)
+
+    def _start_running(self, request: Request, num_computed: int) -> None:
+        request.num_computed_tokens = num_computed
+        request.status = RUNNING
+        if not request._admitted:
+            request._admitted = True
+            request.num_cached_tokens = num_computed
+        self.running[request.req_id] = request
+
+    def _add_to_plan(self, request: Request, num_new: int, plan: _StepPlan) -> None:
+        start = request.num_computed_tokens
+        end = start + num_new
+        plan.scheduled[request.req_id] = ScheduledRequest(
+            req_id=request.req_id,
+            token_ids=request.token_slice(start, end),
+            num_computed_tokens=start,
+            num_scheduled_tokens=num_new,
+            block_ids=list(self.kv_cache_manager.block_tables[request.req_id]),
+            sample=end == request.num_tokens,
+        )
+        plan.budget -= num_new
+
+    # -- preemption --------------------------------------------------------------------------
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running.values(), key=lambda r: (r.priority, r.arrival_time))
+        return next(reversed(self.running.values()))
+
+    def _preempt_for(self, request: Request, plan: _StepPlan) -> bool:
+        """Priority policy: preempt the lowest-priority running request if `request` outranks it."""
+        if self.config.policy != "priority" or not self.running:
+            return False
+        victim = self._pick_victim()
+        if victim.priority <= request.priority:
+            return False
+        self._preempt(victim, plan)
+        return True
+
+    def _preempt(self, victim: Request, plan: _StepPlan) -> None:
+        del self.running[victim.req_id]
+        self.kv_cache_manager.free(victim)
+        # Hash every full block now, so the resumed request finds its cached prefix.
+        self.kv_cache_manager.update_block_hashes(victim)
+        victim.status = RequestStatus.WAITING
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.push_front(victim)
+        unscheduled = plan.scheduled.pop(victim.req_id, None)
+        if unscheduled is not None:
+            plan.budget += unscheduled.num_scheduled_tokens
+        plan.preempted[victim.req_id] = None
+
+    # -- update ------------------------------------------------------------------------------
+
+    def update(self, scheduler_output: SchedulerOutput, step_result: StepResult) -> list[Request]:
+        """Apply one step's results; returns the requests that finished in it (finish_reason set)."""
+        pending = self._pending
+        if pending is None or scheduler_output.step_id != self._num_steps:
+            raise ValueError(
+                "Scheduler.update() takes the SchedulerOutput of the latest schedule(), once "
+                f"(got step {scheduler_output.step_id}, latest is {self._num_steps})"
+            )
+        if len(step_result.req_ids) != len(step_result.sampled_token_ids):
+            raise ValueError(
+                f"StepResult.req_ids ({len(step_result.req_ids)}) and sampled_token_ids "
+                f"({len(step_result.sampled_token_ids)}) must be parallel lists"
+            )
+        self._pending = None
+        sampled = dict(zip(step_result.req_ids, step_result.sampled_token_ids))
+        kv = self.kv_cache_manager
+        max_model_len = self.config.max_model_len
+        finished: list[Request] = []
+        for sr in scheduler_output.scheduled:
+            request = pending[sr.req_id]
+            if request.status is not RUNNING:
+                continue  # aborted or finished by the engine between schedule() and update()
+            request.num_computed_tokens += sr.num_scheduled_tokens
+            reason = None
+            if sr.sample:
+                token = sampled.get(sr.req_id)
+                if token is None:
+                    raise ValueError(
+                        f"StepResult has no sampled token for {sr.req_id!r}, scheduled with sample=True"
+                    )
+                request.output_token_ids.append(token)
+                if (token == request.eos_token_id and not request.ignore_eos) or (
+                    token in request.stop_token_set
+                ):
+                    reason = FinishReason.STOP
+                elif (
+                    len(request.output_token_ids) >= request.max_tokens
+                    or request.num_tokens >= max_model_len
+                ):
+                    reason = FinishReason.LENGTH
+            # Cache before freeing, so a finished request's full blocks stay reusable.
+            kv.cache_full_blocks(request)
+            if reason is not None:
+                self._finish(sr.req_id, RequestStatus.FINISHED, reason)
+                finished.append(request)
+        return finished
+
+    # -- statistics --------------------------------------------------------------------------
+
+    @property
+    def stats(self) -> SchedulerStats:
+        pool = self.kv_cache_manager.pool
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_free_blocks=pool.num_free_blocks,
+            num_cached_blocks=pool.num_cached_blocks,
+            num_used_blocks=pool.num_used_blocks,
+            kv_cache_usage=pool.num_used_blocks / (pool.num_blocks - 1),
+            prefix_cache_queries=self.kv_cache_manager.prefix_cache_queries,
+            prefix_cache_hits=self.kv_cache_manager.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+            num_evictions=pool.num_evictions,
+            num_steps=self._num_steps,
+        )
+
+    def kv_waste(self) -> KVWaste:
+        """Slots held by running requests' tables versus slots holding computed tokens. O(running)."""
+        kv = self.kv_cache_manager
+        return KVWaste(
+            num_allocated_slots=sum(kv.num_allocated_slots(rid) for rid in self.running),
+            num_token_slots=sum(r.num_computed_tokens for r in self.running.values()),
+            num_requests=len(self.running),
+        )
