@@ -1,0 +1,114 @@
+"""Per-query-block metadata for ragged batches, computed once in XLA and shared by all kernels.
+
+The flat token axis (T tokens, sequences back to back as `query_start_loc` says) is cut into
+query blocks of `block_q` tokens, each inside ONE sequence: a sequence with q_len tokens owns
+cdiv(q_len, block_q) blocks, the last one partial. The number of blocks is a device value; the
+static bound `num_query_blocks(T, S, block_q)` sizes the arrays, and blocks past the real ones
+have `q_lens == 0` (kernels skip them and write zeros).
+
+Walkthrough:
+  1. `compute_block_metadata` turns (seq_lens, query_start_loc, num_seqs) into `BlockMetadata`.
+  2. `gather_query_blocks` copies q into [NB, block_q, Hq, D] rows (a T-sized gather, cheap next
+     to reading the KV pages), so a kernel reads whole aligned blocks and never overlaps another
+     block's tokens.
+  3. A kernel writes [NB, block_q, Hq, D]; `scatter_query_blocks` gathers it back to [T, Hq, D]
+     and zeroes padding tokens (index >= query_start_loc[num_seqs]).
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+def num_query_blocks(num_tokens: int, max_num_seqs: int, block_q: int) -> int:
+    """Static upper bound on the query blocks of any batch with <= T tokens and <= S sequences.
+
+    sum_s cdiv(q_s, bq) <= (sum_s q_s + S (bq - 1)) / bq, and each block holds >= 1 token.
+    """
+    bound = (num_tokens + max_num_seqs * (block_q - 1)) // block_q
+    return max(1, min(num_tokens, bound))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BlockMetadata:
+    """Device metadata of the query blocks; NB = num_query_blocks(T, S, block_q)."""
+
+    seq_ids: jax.Array  # int32[NB] sequence of each block (0 for padding blocks)
+    q_starts: jax.Array  # int32[NB] flat token index of the block's first row
+    q_lens: jax.Array  # int32[NB] real rows in the block, 0..block_q (0: padding block)
+    first_pos: jax.Array  # int32[NB] kv position of the block's first row
+    kv_lens: jax.Array  # int32[NB] seq_lens of the block's sequence (0 for padding blocks)
+    token_blocks: jax.Array  # int32[T] block holding each token (any valid index for padding)
+    token_rows: jax.Array  # int32[T] row of each token inside its block
+    token_live: jax.Array  # bool[T] token index < query_start_loc[num_seqs]
+
+
+def compute_block_metadata(seq_lens, query_start_loc, num_seqs, *, num_tokens: int, block_q: int):
+    """Builds BlockMetadata in XLA; shapes are static, the counts are device values."""
+    seq_lens = seq_lens.astype(jnp.int32)
+    qsl = query_start_loc.astype(jnp.int32)
+    num_seqs = jnp.reshape(num_seqs, ()).astype(jnp.int32)
+    max_num_seqs = seq_lens.shape[0]
+    nb = num_query_blocks(num_tokens, max_num_seqs, block_q)
+
+    live = jnp.arange(max_num_seqs, dtype=jnp.int32) < num_seqs
+    q_lens_seq = jnp.where(live, qsl[1:] - qsl[:-1], 0)  # int32[S]
+    blocks_seq = (q_lens_seq + block_q - 1) // block_q  # int32[S]
+    blk_end = jnp.cumsum(blocks_seq, dtype=jnp.int32)  # int32[S]
+    blk_start = blk_end - blocks_seq
+
+    b = jnp.arange(nb, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(blk_end, b, side="right"), max_num_seqs - 1)
+    seq = seq.astype(jnp.int32)
+    real = b < blk_end[-1]
+    local = b - blk_start[seq]
+    q_starts = qsl[seq] + local * block_q
+    q_lens = jnp.where(real, jnp.clip(qsl[seq + 1] - q_starts, 0, block_q), 0)
+    first_pos = seq_lens[seq] - q_lens_seq[seq] + local * block_q
+
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    num_live_tokens = qsl[num_seqs]
+    tok_seq = jnp.minimum(jnp.searchsorted(qsl[1:], t, side="right"), max_num_seqs - 1)
+    tok_local = t - qsl[tok_seq]
+    token_live = t < num_live_tokens
+    token_blocks = jnp.where(token_live, blk_start[tok_seq] + tok_local // block_q, 0)
+    token_rows = jnp.where(token_live, tok_local % block_q, 0)
+    return BlockMetadata(
+        seq_ids=jnp.where(real, seq, 0),
+        q_starts=jnp.where(real, q_starts, 0),
+        q_lens=q_lens.astype(jnp.int32),
+        first_pos=jnp.where(real, first_pos, 0),
+        kv_lens=jnp.where(real, seq_lens[seq], 0),
+        token_blocks=jnp.clip(token_blocks, 0, nb - 1).astype(jnp.int32),
+        token_rows=token_rows.astype(jnp.int32),
+        token_live=token_live,
+    )
+
+
+def kv_page_range(md: BlockMetadata, *, block_size: int, sliding_window: int | None):
+    """Pages [lo, hi) of each block's sequence that hold kv positions the block attends to.
+
+    The last row attends up to first_pos + q_len - 1; with a window W the first row attends from
+    first_pos - W + 1. Padding blocks get an empty range.
+    """
+    hi = jnp.where(md.q_lens > 0, (md.first_pos + md.q_lens + block_size - 1) // block_size, 0)
+    if sliding_window is None:
+        lo = jnp.zeros_like(hi)
+    else:
+        lo = jnp.maximum(md.first_pos - sliding_window + 1, 0) // block_size
+        lo = jnp.minimum(lo, hi)
+    return lo.astype(jnp.int32), hi.astype(jnp.int32)
+
+
+def gather_query_blocks(q, md: BlockMetadata, *, block_q: int):
+    """q[T, Hq, D] -> [NB, block_q, Hq, D]; rows past a block's q_len repeat valid tokens."""
+    rows = md.q_starts[:, None] + jnp.arange(block_q, dtype=jnp.int32)[None, :]
+    return q[jnp.clip(rows, 0, q.shape[0] - 1)]
+
+
+def scatter_query_blocks(out_blocks, md: BlockMetadata):
+    """[NB, block_q, Hq, D] -> [T, Hq, D]: one gather; padding tokens get zeros."""
+    out = out_blocks[md.token_blocks, md.token_rows]
+    return jnp.where(md.token_live[:, None, None], out, jnp.zeros((), out.dtype))
