@@ -1,0 +1,239 @@
+"""Tokenizers: one `Tokenizer` class over `tokenizers` (BPE, tokenizer.json) or `sentencepiece`.
+
+1. `load_tokenizer(path)` takes a .gguf file, a Hugging Face folder, or a bare tokenizer.json /
+   tokenizer.model; `tokenizer_from_gguf(reader, path)` serves the GGUF model loader, which has the
+   file open already. Either way a loader builds a `TokenizerSpec` (backend + what the checkpoint
+   says about BOS/EOS/pad, stop tokens and the chat template) and `Tokenizer` wraps it.
+2. `encode` tokenizes the text as is (special tokens written in it, like "<|im_start|>", map to
+   their ids) and adds BOS/EOS iff the checkpoint says so and `add_special_tokens` is true. A prompt
+   rendered by `apply_chat_template` usually carries its own BOS: encode it with
+   `add_special_tokens=False`.
+3. `decode` turns ids back into text, dropping special (control) tokens unless asked to keep them;
+   streaming goes through `IncrementalDetokenizer` (models/detokenizer.py).
+4. `apply_chat_template` renders the checkpoint's Jinja template (models/chat_template.py).
+"""
+
+import os
+import pathlib
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import gguf
+import sentencepiece
+from sentencepiece import sentencepiece_model_pb2
+
+from models.chat_template import compile_chat_template, render_chat_template, validate_messages
+from models.detokenizer import IncrementalDetokenizer
+from models.tokenizer_gguf import gguf_tokenizer_spec
+from models.tokenizer_hf import check_path, hf_tokenizer_spec
+from models.tokenizer_spec import TokenizerLoadError, TokenizerSpec
+
+__all__ = [
+    "IncrementalDetokenizer",
+    "Tokenizer",
+    "TokenizerLoadError",
+    "load_tokenizer",
+    "tokenizer_from_gguf",
+]
+
+_GGUF_MAGIC = b"GGUF"
+
+
+class Tokenizer:
+    """Text <-> token ids for one checkpoint, with its special tokens and chat template."""
+
+    def __init__(self, spec: TokenizerSpec):
+        self._spec = spec
+        self._backend = spec.backend
+        self._is_sentencepiece = isinstance(spec.backend, sentencepiece.SentencePieceProcessor)
+        self.vocab_size: int = spec.vocab_size
+        self.bos_token_id: int | None = spec.bos_token_id
+        self.eos_token_id: int | None = spec.eos_token_id
+        self.eos_token_ids: frozenset[int] = spec.eos_token_ids
+        self.pad_token_id: int | None = spec.pad_token_id
+        self.unk_token_id: int | None = spec.unk_token_id
+        self.add_bos_token: bool = spec.add_bos_token
+        self.add_eos_token: bool = spec.add_eos_token
+        self.chat_template: str | None = spec.chat_template
+        self.special_token_ids: frozenset[int] = spec.special_token_ids
+        self._compiled_template = None
+        if self._is_sentencepiece:
+            self._init_sentencepiece()
+
+    def _init_sentencepiece(self) -> None:
+        proto = sentencepiece_model_pb2.ModelProto()
+        proto.ParseFromString(self._backend.serialized_model_proto())
+        # SentencePiece drops the dummy-prefix space of the first piece it decodes; decode() puts it
+        # back on pieces that follow a special token, so joining runs matches decoding them whole.
+        self._strips_leading_space = proto.normalizer_spec.add_dummy_prefix
+        # SentencePiece reads control tokens written in text as plain characters; split them out.
+        names = sorted(
+            (self._backend.id_to_piece(i) for i in self.special_token_ids), key=len, reverse=True
+        )
+        self._special_by_name = {self._backend.id_to_piece(i): i for i in self.special_token_ids}
+        self._special_pattern = (
+            re.compile("(" + "|".join(re.escape(n) for n in names) + ")") if names else None
+        )
+
+    def __repr__(self) -> str:
+        kind = "sentencepiece" if self._is_sentencepiece else "tokenizers"
+        return (
+            f"Tokenizer({self._spec.source!r}, {kind}, vocab_size={self.vocab_size}, "
+            f"bos={self.bos_token_id}, eos={self.eos_token_id}, add_bos={self.add_bos_token})"
+        )
+
+    # -- text -> ids ---------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError(f"encode() takes a str, got {type(text).__name__}")
+        if self._is_sentencepiece:
+            ids = self._encode_sentencepiece(text)
+        else:
+            ids = self._backend.encode(text, add_special_tokens=False).ids
+        if add_special_tokens:
+            if self.add_bos_token and self.bos_token_id is not None:
+                ids = [self.bos_token_id, *ids]
+            if self.add_eos_token and self.eos_token_id is not None:
+                ids = [*ids, self.eos_token_id]
+        return ids
+
+    def _encode_sentencepiece(self, text: str) -> list[int]:
+        if self._special_pattern is None:
+            return self._backend.encode(text)
+        ids: list[int] = []
+        # With a capturing group, split() alternates plain text (even) and special tokens (odd).
+        for k, part in enumerate(self._special_pattern.split(text)):
+            if k % 2:
+                ids.append(self._special_by_name[part])
+            elif part:
+                ids.extend(self._backend.encode(part))
+        return ids
+
+    # -- ids -> text ---------------------------------------------------------------------------
+
+    def _check_ids(self, token_ids: Iterable[Any]) -> list[int]:
+        ids = [int(i) for i in token_ids]
+        for i in ids:
+            if not 0 <= i < self.vocab_size:
+                raise ValueError(f"token id {i} is outside the vocabulary (size {self.vocab_size})")
+        return ids
+
+    def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        ids = self._check_ids(token_ids)
+        if not self._is_sentencepiece:
+            return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        if skip_special_tokens:
+            return self._backend.decode([i for i in ids if i not in self.special_token_ids])
+        parts: list[str] = []
+        run: list[int] = []
+        for i in [*ids, None]:
+            if i is not None and i not in self.special_token_ids:
+                run.append(i)
+                continue
+            if run:
+                text = self._backend.decode(run)
+                if parts and self._strips_leading_space and self._backend.id_to_piece(run[0]).startswith("\u2581"):
+                    text = " " + text
+                parts.append(text)
+                run = []
+            if i is not None:
+                parts.append(self._backend.id_to_piece(i))
+        return "".join(parts)
+
+    def id_to_piece(self, token_id: int) -> str:
+        """The vocabulary entry for one id, as the model writes it (e.g. "Ġworld", "▁world")."""
+        (token_id,) = self._check_ids([token_id])
+        if self._is_sentencepiece:
+            return self._backend.id_to_piece(token_id)
+        piece = self._backend.id_to_token(token_id)
+        if piece is None:
+            raise ValueError(f"token id {token_id} has no vocabulary entry")
+        return piece
+
+    def convert_ids_to_tokens(self, token_ids: Iterable[int]) -> list[str]:
+        return [self.id_to_piece(i) for i in token_ids]
+
+    def token_to_id(self, piece: str) -> int | None:
+        """The id of a vocabulary entry (or special token), None if there is none."""
+        if self._is_sentencepiece:
+            token_id = self._backend.piece_to_id(piece)
+            return token_id if self._backend.id_to_piece(token_id) == piece else None
+        return self._backend.token_to_id(piece)
+
+    # -- chat ----------------------------------------------------------------------------------
+
+    def _special_token_text(self, token_id: int | None) -> str:
+        return "" if token_id is None else self.id_to_piece(token_id)
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        """Render `messages` with the checkpoint's template; extra kwargs become template variables."""
+        validate_messages(messages)
+        if self.chat_template is None:
+            raise ValueError(
+                f"{self._spec.source}: the checkpoint has no chat template; "
+                "encode a plain prompt instead of chat messages"
+            )
+        if self._compiled_template is None:
+            self._compiled_template = compile_chat_template(self.chat_template)
+        special_tokens = {
+            "bos_token": self._special_token_text(self.bos_token_id),
+            "eos_token": self._special_token_text(self.eos_token_id),
+            "pad_token": self._special_token_text(self.pad_token_id),
+            "unk_token": self._special_token_text(self.unk_token_id),
+        }
+        return render_chat_template(
+            self._compiled_template, messages, add_generation_prompt, special_tokens, **kwargs
+        )
+
+
+def tokenizer_from_gguf(reader: gguf.GGUFReader, path: str | os.PathLike) -> Tokenizer:
+    """The tokenizer stored in an open GGUF file (`path` names it in errors)."""
+    try:
+        return Tokenizer(gguf_tokenizer_spec(reader, path))
+    except TokenizerLoadError:
+        raise
+    except (IndexError, KeyError, TypeError, ValueError, UnicodeDecodeError) as e:
+        raise TokenizerLoadError(
+            f"{os.fspath(path)}: the GGUF tokenizer metadata is corrupted ({type(e).__name__}: {e})"
+        ) from e
+
+
+def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
+    """GGUFReader for `path`, with errors that name the file and say what is wrong with it."""
+    path = check_path(path)
+    if not path.is_file():
+        raise TokenizerLoadError(f"{path}: expected a .gguf file, found a folder")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != _GGUF_MAGIC:
+        raise TokenizerLoadError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # gguf raises ValueError, IndexError, numpy errors... on bad files
+        raise TokenizerLoadError(
+            f"{path}: truncated or corrupted GGUF file of {path.stat().st_size} bytes "
+            f"({type(e).__name__}: {e})"
+        ) from e
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """A .gguf file, a HF folder (tokenizer.json, else tokenizer.model, + tokenizer_config.json),
+    or a bare tokenizer.json / tokenizer.model file."""
+    path = check_path(path)
+    if path.is_dir() or path.suffix in (".json", ".model"):
+        return Tokenizer(hf_tokenizer_spec(path))
+    if path.suffix == ".gguf" or _starts_with_gguf_magic(path):
+        return tokenizer_from_gguf(open_gguf(path), path)
+    raise TokenizerLoadError(
+        f"{path}: unknown tokenizer file type (expected .gguf, tokenizer.json, tokenizer.model "
+        "or a folder with one of them)"
+    )
+
+
+def _starts_with_gguf_magic(path: pathlib.Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == _GGUF_MAGIC
