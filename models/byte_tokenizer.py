@@ -1,0 +1,42 @@
+"""A byte-level tokenizer for random-weight models, which come without a vocabulary.
+
+Ids 0..255 are the UTF-8 bytes; 256 is BOS and 257 is EOS when the vocabulary has room (random
+models of a real shape, e.g. `random:llama3-8b`, also take token-id prompts directly). It has the
+interface of `models.tokenizer.Tokenizer`, including a small ChatML-like chat template.
+"""
+
+from __future__ import annotations
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+class ByteTokenizer:
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.bos_token_id = 256 if vocab_size > 257 else None
+        self.eos_token_id = 257 if vocab_size > 257 else None
+        self.eos_token_ids = frozenset() if self.eos_token_id is None else frozenset({self.eos_token_id})
+        self.pad_token_id = self.eos_token_id
+        self.add_bos_token = False
+        self.chat_template = CHAT_TEMPLATE
+        self.name = "bytes"
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
+        return bytes(int(t) for t in token_ids if 0 <= int(t) < 256).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError(f"messages[{i}] must have string 'role' and 'content'")
+        template = ImmutableSandboxedEnvironment().from_string(self.chat_template)
+        return template.render(messages=messages, add_generation_prompt=add_generation_prompt)

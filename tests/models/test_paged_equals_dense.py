@@ -1,0 +1,72 @@
+"""Paged prefill in chunks, then decode, for several sequences at once, equals the dense oracle."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models.config import preset_config
+from models.llama import forward_dense, forward_paged
+from models.random_weights import random_params
+from tests.models.paged_batch import make_batch
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 64
+
+
+def _config(num_heads, num_kv_heads, **extra):
+    base = preset_config("tiny")
+    return dataclasses.replace(base, num_heads=num_heads, num_kv_heads=num_kv_heads, **extra)
+
+
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,extra",
+    [(4, 4, {}), (6, 2, {}), (8, 2, {}), (4, 4, {"architecture": "qwen2", "attention_bias": True,
+                                                 "tie_word_embeddings": False})],
+    ids=["gqa1", "gqa3", "gqa4", "qwen2-bias-untied"],
+)
+def test_chunked_prefill_then_decode_matches_dense(num_heads, num_kv_heads, extra):
+    config = _config(num_heads, num_kv_heads, **extra)
+    params = random_params(config, seed=1)
+    rng = np.random.default_rng(0)
+    lengths = [37, 16, 5, 50]  # partial last blocks, an exact block, a short one
+    seqs = [rng.integers(0, config.vocab_size, n + 4).tolist() for n in lengths]
+    tables, next_block = [], 1
+    for s in seqs:
+        n = -(-len(s) // BLOCK_SIZE)
+        tables.append(list(range(next_block, next_block + n)))
+        next_block += n
+    cache = [
+        (jnp.zeros((NUM_BLOCKS, BLOCK_SIZE, config.num_kv_heads, config.head_dim)),) * 2
+        for _ in range(config.num_layers)
+    ]
+    step = jax.jit(lambda p, c, b: forward_paged(p, config, c, b))
+    # Prefill each prompt in chunks of up to 20 tokens, all sequences in one ragged batch per step.
+    done = [0] * len(seqs)
+    last_logits = [None] * len(seqs)
+    chunk = 20
+    while any(done[i] < lengths[i] for i in range(len(seqs))):
+        active = [i for i in range(len(seqs)) if done[i] < lengths[i]]
+        chunks = [(seqs[i][done[i] : min(lengths[i], done[i] + chunk)], done[i]) for i in active]
+        batch = make_batch(chunks, [tables[i] for i in active], BLOCK_SIZE, pad_tokens=3,
+                           pad_seqs=1, max_blocks=8)
+        cache, logits = step(params, cache, batch)
+        for row, i in enumerate(active):
+            done[i] += len(chunks[row][0])
+            last_logits[i] = logits[row]
+    for i, s in enumerate(seqs):
+        dense = forward_dense(params, config, jnp.asarray(s[: lengths[i]]))
+        np.testing.assert_allclose(last_logits[i], dense[-1], atol=1e-5, rtol=1e-5)
+    # Four decode steps for all sequences together.
+    for extra_token in range(4):
+        chunks = [(s[lengths[i] + extra_token : lengths[i] + extra_token + 1], lengths[i] + extra_token)
+                  for i, s in enumerate(seqs)]
+        batch = make_batch(chunks, tables, BLOCK_SIZE, pad_tokens=4, pad_seqs=2, max_blocks=8)
+        cache, logits = step(params, cache, batch)
+        for i, s in enumerate(seqs):
+            dense = forward_dense(params, config, jnp.asarray(s[: lengths[i] + extra_token + 1]))
+            np.testing.assert_allclose(logits[i], dense[-1], atol=1e-5, rtol=1e-5)
+    # The null block (0) may hold padding garbage, but no live block was written by padding:
+    # re-running the dense check above already proves the live blocks are intact.
