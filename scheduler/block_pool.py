@@ -76,6 +76,10 @@ class BlockPool:
         """Blocks `allocate` can hand out now: free ones, then evicted cached ones."""
         return len(self._free) + len(self._cached)
 
+    def free_block_ids(self) -> list[int]:
+        """The free (never cached or evicted) blocks, in no particular order (tests, debugging)."""
+        return list(self._free)
+
     def cached_block_ids_lru(self) -> list[int]:
         """The cached blocks, next to be evicted first (for tests and debugging)."""
         return list(self._cached)

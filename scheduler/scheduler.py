@@ -280,8 +280,18 @@ class Scheduler:
                 f"StepResult.req_ids ({len(step_result.req_ids)}) and sampled_token_ids "
                 f"({len(step_result.sampled_token_ids)}) must be parallel lists"
             )
-        self._pending = None
         sampled = dict(zip(step_result.req_ids, step_result.sampled_token_ids))
+        # Check before changing anything, so a bad StepResult leaves the scheduler as it was.
+        missing = [
+            sr.req_id
+            for sr in scheduler_output.scheduled
+            if sr.sample and sr.req_id not in sampled and pending[sr.req_id].status is RUNNING
+        ]
+        if missing:
+            raise ValueError(
+                f"StepResult has no sampled token for {missing}, scheduled with sample=True"
+            )
+        self._pending = None
         kv = self.kv_cache_manager
         max_model_len = self.config.max_model_len
         finished: list[Request] = []
@@ -292,11 +302,7 @@ class Scheduler:
             request.num_computed_tokens += sr.num_scheduled_tokens
             reason = None
             if sr.sample:
-                token = sampled.get(sr.req_id)
-                if token is None:
-                    raise ValueError(
-                        f"StepResult has no sampled token for {sr.req_id!r}, scheduled with sample=True"
-                    )
+                token = sampled[sr.req_id]
                 request.output_token_ids.append(token)
                 if (token == request.eos_token_id and not request.ignore_eos) or (
                     token in request.stop_token_set
