@@ -1,0 +1,310 @@
+"""AsyncLLMEngine: drives a synchronous, single-threaded LLMEngine from asyncio.
+
+The engine is not thread-safe, so exactly one background thread (the step thread) calls its
+methods. What happens:
+
+1. A handler on the event loop validates its input, then `await add_request(...)`: the command goes
+   on a thread-safe queue together with a concurrent Future and the handler's `RequestStream`.
+2. The step thread blocks on that queue while the engine is idle. Otherwise, before each step, it
+   drains every queued command (add, abort, stop), calls `add_request` / `abort_request`, and
+   resolves the add's Future (a ValueError from the engine reaches the handler as a 400).
+3. It refreshes the stats snapshot (read by /metrics and the overload check; never the engine
+   itself) and, while there is work, runs one `step()`.
+4. The step's outputs go to the event loop in one `call_soon_threadsafe` per step, which records
+   latency metrics and puts each output on its request's stream, so every token reaches its HTTP
+   response as soon as it is sampled.
+5. If `step()` raises, the requests in flight get the error (their handlers answer 500 or end the
+   stream with an error event) and are aborted in the engine; the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import queue
+import threading
+import time
+
+from engine.metrics import ServerMetrics
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineError(RuntimeError):
+    """The engine failed (or is shutting down) while this request was in flight."""
+
+
+@dataclasses.dataclass
+class _Tracker:
+    """Per engine request, on the event loop: where outputs go and what latency metrics need."""
+
+    stream: RequestStream
+    arrival: float
+    num_tokens: int = 0
+    last_token_time: float | None = None
+
+
+@dataclasses.dataclass
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    arrival_time: float
+    future: concurrent.futures.Future
+
+
+@dataclasses.dataclass
+class _Abort:
+    request_id: str
+
+
+class _Stop:
+    pass
+
+
+class RequestStream:
+    """The outputs of the engine requests of one HTTP request (one per prompt), on one queue.
+
+    Outputs are cumulative, so a reader that falls behind loses nothing by keeping only the newest
+    output of each request: `next_outputs` drains everything queued and returns that.
+    """
+
+    def __init__(self, engine: AsyncLLMEngine):
+        self._engine = engine
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self.request_ids: list[str] = []
+        self.finished: set[str] = set()
+
+    def _put(self, item: RequestOutput | EngineError) -> None:
+        self._queue.put_nowait(item)
+
+    @property
+    def done(self) -> bool:
+        return len(self.finished) == len(self.request_ids)
+
+    async def next_outputs(self) -> dict[str, RequestOutput]:
+        """Waits for at least one output; returns the newest per request id. Raises EngineError."""
+        items = [await self._queue.get()]
+        while not self._queue.empty():
+            items.append(self._queue.get_nowait())
+        newest: dict[str, RequestOutput] = {}
+        for item in items:
+            if isinstance(item, EngineError):
+                raise item
+            newest[item.request_id] = item
+            if item.finished:
+                self.finished.add(item.request_id)
+        return newest
+
+    def abort_unfinished(self) -> None:
+        """Aborts every request of this stream that has not finished (client gone, error, ...)."""
+        for request_id in self.request_ids:
+            if request_id not in self.finished:
+                self.finished.add(request_id)
+                self._engine.abort(request_id)
+
+
+class AsyncLLMEngine:
+    """Owns the step thread. Every public method must be called from the event loop thread."""
+
+    def __init__(self, engine, *, max_queue_len: int | None = None, metrics: ServerMetrics | None = None):
+        self.engine = engine
+        self.max_queue_len = max_queue_len
+        self.metrics = metrics if metrics is not None else ServerMetrics()
+        self._commands: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()  # guards _num_pending and _stats together
+        self._num_pending = 0  # adds queued but not yet handed to the engine
+        self._stats = None  # newest EngineStats from the step thread
+        self._trackers: dict[str, _Tracker] = {}  # event loop only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.error_count = 0  # failed engine steps
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stats = self.engine.get_stats()
+        self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self, reason: str = "the server is shutting down") -> None:
+        """Fails the requests still in flight, stops the step thread and waits for it."""
+        for request_id in list(self._trackers):
+            self._fail(request_id, EngineError(reason))
+        self._commands.put(_Stop())
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ---- the event-loop side ---------------------------------------------------------------
+
+    def new_stream(self) -> RequestStream:
+        return RequestStream(self)
+
+    def stats(self):
+        with self._lock:
+            return self._stats
+
+    def num_pending(self) -> int:
+        with self._lock:
+            return self._num_pending
+
+    def queue_is_full(self, num_new: int) -> bool:
+        """True when adding `num_new` requests would exceed max_queue_len waiting requests."""
+        if self.max_queue_len is None:
+            return False
+        with self._lock:
+            waiting = (self._stats.num_waiting if self._stats is not None else 0) + self._num_pending
+        return waiting + num_new > self.max_queue_len
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._trackers)
+
+    async def add_request(self, stream: RequestStream, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        """Hands one request to the engine; its outputs go to `stream`. Raises the engine's
+        ValueError for a bad request, EngineError when the step thread is gone."""
+        if not self.is_alive:
+            raise EngineError("the engine is not running")
+        arrival = time.monotonic()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        stream.request_ids.append(request_id)
+        self._trackers[request_id] = _Tracker(stream=stream, arrival=arrival)
+        with self._lock:
+            self._num_pending += 1
+        self._commands.put(_Add(request_id, prompt, params, arrival, future))
+        try:
+            await asyncio.wrap_future(future)
+        except BaseException:
+            # Rejected by the engine, or the handler was cancelled while waiting (then the add may
+            # still land: the abort queued behind it removes it).
+            stream.finished.add(request_id)
+            self._trackers.pop(request_id, None)
+            self.abort(request_id)
+            raise
+
+    def abort(self, request_id: str) -> None:
+        """Queues an abort; the step thread frees the request's blocks before its next step."""
+        self._trackers.pop(request_id, None)
+        self._commands.put(_Abort(request_id))
+
+    def _deliver(self, outputs: list[RequestOutput], now: float) -> None:
+        """Event loop: record latencies and route each output to its stream."""
+        for output in outputs:
+            tracker = self._trackers.get(output.request_id)
+            if tracker is None:  # aborted meanwhile
+                continue
+            num_tokens = sum(len(c.token_ids) for c in output.outputs)
+            new_tokens = num_tokens - tracker.num_tokens
+            if new_tokens > 0:
+                if tracker.last_token_time is None:
+                    self.metrics.observe_first_token(now - tracker.arrival)
+                    new_tokens -= 1
+                if new_tokens > 0:
+                    self.metrics.observe_inter_token(now - (tracker.last_token_time or now), new_tokens)
+                tracker.num_tokens = num_tokens
+                tracker.last_token_time = now
+            if output.finished:
+                del self._trackers[output.request_id]
+                reason = output.outputs[0].finish_reason if output.outputs else None
+                self.metrics.observe_finished(now - tracker.arrival, reason or "stop")
+            tracker.stream._put(output)
+
+    def _fail(self, request_id: str, error: EngineError) -> None:
+        tracker = self._trackers.pop(request_id, None)
+        if tracker is not None:
+            tracker.stream._put(error)
+            self._commands.put(_Abort(request_id))
+
+    def _fail_all(self, request_ids: list[str], message: str) -> None:
+        for request_id in request_ids:
+            self._fail(request_id, EngineError(message))
+
+    # ---- the step thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        live: set[str] = set()  # request ids handed to the engine and not finished (this thread only)
+        while True:
+            try:
+                if not self._run_once(live):
+                    return
+            except Exception:  # noqa: BLE001 - the step thread must outlive any one bad request
+                logger.exception("engine loop error")
+
+    def _run_once(self, live: set[str]) -> bool:
+        """Handles the queued commands, then runs one step if there is work. False on stop."""
+        busy = self.engine.has_unfinished_requests()
+        commands = [] if busy else [self._commands.get()]  # idle: block until there is work
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                break
+        num_adds = 0
+        try:
+            for command in commands:
+                if isinstance(command, _Stop):
+                    self._abort_in_engine(live)
+                    return False
+                if isinstance(command, _Add):
+                    num_adds += 1
+                    self._handle_add(command, live)
+                elif isinstance(command, _Abort) and command.request_id in live:
+                    self._abort_in_engine([command.request_id])
+                    live.discard(command.request_id)
+        finally:
+            self._refresh_stats(num_adds)
+        if not self.engine.has_unfinished_requests():
+            live.clear()
+            return True
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - one bad step must not end the server
+            self.error_count += 1
+            logger.exception("engine step failed; failing the %d requests in flight", len(live))
+            failed = sorted(live)
+            self._abort_in_engine(failed)
+            live.clear()
+            message = f"engine error: {type(exc).__name__}: {exc}"
+            self._loop.call_soon_threadsafe(self._fail_all, failed, message)
+            self._refresh_stats(0)
+            return True
+        for output in outputs:
+            if output.finished:
+                live.discard(output.request_id)
+        self._refresh_stats(0)
+        if outputs:
+            self._loop.call_soon_threadsafe(self._deliver, outputs, time.monotonic())
+        return True
+
+    def _abort_in_engine(self, request_ids) -> None:
+        for request_id in list(request_ids):
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:  # noqa: BLE001
+                logger.exception("abort_request(%s) failed", request_id)
+
+    def _handle_add(self, command: _Add, live: set[str]) -> None:
+        if not command.future.set_running_or_notify_cancel():
+            return  # the handler gave up waiting (client gone)
+        try:
+            self.engine.add_request(command.request_id, command.prompt, command.params, arrival_time=command.arrival_time)
+        except Exception as exc:  # noqa: BLE001 - goes back to the handler
+            command.future.set_exception(exc if isinstance(exc, ValueError) else EngineError(f"{type(exc).__name__}: {exc}"))
+            return
+        live.add(command.request_id)
+        command.future.set_result(None)
+
+    def _refresh_stats(self, num_adds: int) -> None:
+        stats = self.engine.get_stats()
+        with self._lock:
+            self._stats = stats
+            self._num_pending -= num_adds

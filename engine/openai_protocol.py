@@ -1,0 +1,330 @@
+"""OpenAI request parsing and validation, by hand: JSON body -> a request dataclass with SamplingParams.
+
+Every problem is a ProtocolError carrying the HTTP status, OpenAI's error `type` and `code`, and
+the `param` (the field) at fault, so the server answers `{"error": {message, type, param, code}}`.
+Unknown fields are accepted and ignored (OpenAI clients send extras such as `user`); known fields
+are type- and range-checked. Features this engine does not have (tools, logit_bias, suffix,
+best_of > n, non-text response formats) are rejected by name rather than silently ignored.
+Response bodies are built in `engine/openai_responses.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+from engine.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_STOP_STRING_LEN,
+    MAX_STOP_STRINGS,
+    SamplingParams,
+)
+
+MAX_PROMPTS = 64  # prompts in one /v1/completions request
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+_MISSING = object()
+
+
+class ProtocolError(Exception):
+    """An error answered in OpenAI's format."""
+
+    def __init__(self, message: str, *, param: str | None = None, status: int = 400,
+                 type: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.headers = headers or {}
+        self.message = message
+        self.param = param
+        self.status = status
+        self.type = type
+        self.code = code
+
+    def to_dict(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclasses.dataclass
+class CompletionRequest:
+    model: str | None  # as sent; None when absent (the served model is meant)
+    prompts: list[str | list[int]]  # one engine request per prompt
+    params: SamplingParams
+    stream: bool
+    include_usage: bool  # stream_options.include_usage
+    echo: bool  # prepend the prompt to the returned text
+
+
+@dataclasses.dataclass
+class ChatRequest:
+    model: str | None
+    messages: list[dict]  # normalized: {"role": str, "content": str}
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    logprobs: bool  # return chat logprobs (params.logprobs is the number of top ones)
+    add_generation_prompt: bool
+
+
+# ---- field readers -------------------------------------------------------------------------
+
+def _type_name(value) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(value), "number" if isinstance(value, int | float) else type(value).__name__
+    )
+
+
+def _int(body: dict, name: str, default=None, *, low=None, high=None, alias_of: str | None = None):
+    value = body.get(name, _MISSING)
+    if value is _MISSING or value is None:
+        return default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ProtocolError(f"'{name}' must be an integer, got {_type_name(value)}", param=name)
+    if low is not None and value < low:
+        raise ProtocolError(f"'{name}' must be >= {low}, got {value}", param=name)
+    if high is not None and value > high:
+        raise ProtocolError(f"'{name}' must be <= {high}, got {value}", param=name)
+    return value
+
+
+def _number(body: dict, name: str, default=None, *, low=None, high=None, low_open=False):
+    value = body.get(name, _MISSING)
+    if value is _MISSING or value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ProtocolError(f"'{name}' must be a finite number, got {_type_name(value)}", param=name)
+    if low is not None and (value <= low if low_open else value < low):
+        raise ProtocolError(f"'{name}' must be {'>' if low_open else '>='} {low}, got {value}", param=name)
+    if high is not None and value > high:
+        raise ProtocolError(f"'{name}' must be <= {high}, got {value}", param=name)
+    return float(value)
+
+
+def _bool(body: dict, name: str, default: bool | None = False):
+    value = body.get(name, _MISSING)
+    if value is _MISSING or value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ProtocolError(f"'{name}' must be a boolean, got {_type_name(value)}", param=name)
+    return value
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    value = body.get("stop")
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list):
+        raise ProtocolError(f"'stop' must be a string or an array of strings, got {_type_name(value)}", param="stop")
+    if len(value) > MAX_STOP_STRINGS:
+        raise ProtocolError(f"'stop' may hold at most {MAX_STOP_STRINGS} strings, got {len(value)}", param="stop")
+    for item in value:
+        if not isinstance(item, str) or not item:
+            raise ProtocolError("'stop' entries must be non-empty strings", param="stop")
+        if len(item) > MAX_STOP_STRING_LEN:
+            raise ProtocolError(f"'stop' entries must be at most {MAX_STOP_STRING_LEN} characters", param="stop")
+    return tuple(value)
+
+
+def _token_id_list(value, name: str) -> list[int]:
+    if not isinstance(value, list) or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in value):
+        raise ProtocolError(f"'{name}' must be an array of non-negative integer token ids", param=name)
+    return value
+
+
+def _unsupported(body: dict) -> None:
+    if body.get("logit_bias"):
+        raise ProtocolError("'logit_bias' is not supported", param="logit_bias")
+    if body.get("suffix") is not None:
+        raise ProtocolError("'suffix' is not supported", param="suffix")
+    if body.get("tools"):
+        raise ProtocolError("'tools' (function calling) is not supported", param="tools")
+    if body.get("functions"):
+        raise ProtocolError("'functions' (function calling) is not supported", param="functions")
+    tool_choice = body.get("tool_choice")
+    if tool_choice not in (None, "none", "auto"):
+        raise ProtocolError("'tool_choice' is not supported", param="tool_choice")
+    response_format = body.get("response_format")
+    if response_format is not None:
+        if not isinstance(response_format, dict) or response_format.get("type") != "text":
+            raise ProtocolError("'response_format' supports only {\"type\": \"text\"}", param="response_format")
+
+
+def _model(body: dict, served_names: tuple[str, ...]) -> str | None:
+    model = body.get("model")
+    if model is None:
+        return None
+    if not isinstance(model, str):
+        raise ProtocolError(f"'model' must be a string, got {_type_name(model)}", param="model")
+    if model not in served_names:
+        raise ProtocolError(f"The model '{model}' does not exist; this server serves {', '.join(served_names)}",
+                            param="model", status=404, code="model_not_found")
+    return model
+
+
+def _stream(body: dict) -> tuple[bool, bool]:
+    stream = _bool(body, "stream")
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not isinstance(options, dict):
+        raise ProtocolError(f"'stream_options' must be an object, got {_type_name(options)}", param="stream_options")
+    if not stream:
+        raise ProtocolError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    return stream, _bool(options, "include_usage")
+
+
+def _sampling(body: dict, *, max_tokens, logprobs) -> SamplingParams:
+    n = _int(body, "n", 1, low=1, high=MAX_N)
+    best_of = _int(body, "best_of", None, low=1)
+    if best_of is not None and best_of != n:
+        raise ProtocolError("'best_of' different from 'n' is not supported", param="best_of")
+    values = dict(
+        n=n,
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 1.0, low=0.0, high=2.0),
+        top_p=_number(body, "top_p", 1.0, low=0.0, high=1.0, low_open=True),
+        top_k=_int(body, "top_k", -1, low=-1),
+        min_p=_number(body, "min_p", 0.0, low=0.0, high=1.0),
+        presence_penalty=_number(body, "presence_penalty", 0.0, low=-2.0, high=2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, low=-2.0, high=2.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, low=0.0, high=100.0, low_open=True),
+        seed=_int(body, "seed", None, low=-(2**63), high=2**64 - 1),
+        stop=_stop(body),
+        ignore_eos=_bool(body, "ignore_eos"),
+        skip_special_tokens=_bool(body, "skip_special_tokens", True),
+        include_stop_str_in_output=_bool(body, "include_stop_str_in_output"),
+        logprobs=logprobs,
+    )
+    stop_token_ids = body.get("stop_token_ids")
+    if stop_token_ids is not None:
+        values["stop_token_ids"] = tuple(_token_id_list(stop_token_ids, "stop_token_ids"))
+    try:
+        return SamplingParams(**values)
+    except ValueError as exc:  # a bound only SamplingParams knows; its message starts with the field
+        raise ProtocolError(str(exc), param=param_of(exc)) from None
+
+
+def param_of(exc: Exception) -> str | None:
+    """The field a ValueError from SamplingParams or the engine names first ("top_p must ...")."""
+    match = re.match(r"'?([A-Za-z_]\w*)'?[: ]", str(exc))
+    return match.group(1) if match else None
+
+
+def _require_object(body) -> dict:
+    if not isinstance(body, dict):
+        raise ProtocolError(f"the request body must be a JSON object, got {_type_name(body)}")
+    return body
+
+
+# ---- requests ------------------------------------------------------------------------------
+
+def parse_completion_request(body, served_names: tuple[str, ...]) -> CompletionRequest:
+    body = _require_object(body)
+    model = _model(body, served_names)
+    _unsupported(body)
+    prompts = _prompts(body.get("prompt", _MISSING))
+    stream, include_usage = _stream(body)
+    max_tokens = _int(body, "max_tokens", 16, low=1)
+    logprobs = _int(body, "logprobs", None, low=0, high=MAX_LOGPROBS)
+    params = _sampling(body, max_tokens=max_tokens, logprobs=logprobs)
+    return CompletionRequest(model, prompts, params, stream, include_usage, echo=_bool(body, "echo"))
+
+
+def _prompts(value) -> list[str | list[int]]:
+    if value is _MISSING or value is None:
+        raise ProtocolError("'prompt' is required", param="prompt")
+    if isinstance(value, str):
+        value = [value]
+    elif isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise ProtocolError("'prompt' must be a string, an array of strings, an array of token ids or an array "
+                            "of token id arrays, and not empty", param="prompt")
+    if len(value) > MAX_PROMPTS:
+        raise ProtocolError(f"'prompt' may hold at most {MAX_PROMPTS} prompts, got {len(value)}", param="prompt")
+    prompts: list[str | list[int]] = []
+    for item in value:
+        if isinstance(item, str):
+            if not item:
+                raise ProtocolError("'prompt' must not be empty", param="prompt")
+            prompts.append(item)
+        elif isinstance(item, list) and item:
+            prompts.append(_token_id_list(item, "prompt"))
+        else:
+            raise ProtocolError("'prompt' entries must be non-empty strings or non-empty arrays of token ids",
+                                param="prompt")
+    return prompts
+
+
+def parse_chat_request(body, served_names: tuple[str, ...]) -> ChatRequest:
+    body = _require_object(body)
+    model = _model(body, served_names)
+    _unsupported(body)
+    messages = _messages(body.get("messages", _MISSING))
+    stream, include_usage = _stream(body)
+    max_tokens = _int(body, "max_completion_tokens", None, low=1)
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens", None, low=1)
+    want_logprobs = _bool(body, "logprobs")
+    top_logprobs = _int(body, "top_logprobs", None, low=0, high=MAX_LOGPROBS)
+    if top_logprobs is not None and not want_logprobs:
+        raise ProtocolError("'top_logprobs' requires 'logprobs' to be true", param="top_logprobs")
+    params = _sampling(body, max_tokens=max_tokens, logprobs=(top_logprobs or 0) if want_logprobs else None)
+    return ChatRequest(model, messages, params, stream, include_usage, want_logprobs,
+                       add_generation_prompt=_bool(body, "add_generation_prompt", True))
+
+
+def _messages(value) -> list[dict]:
+    if value is _MISSING or value is None:
+        raise ProtocolError("'messages' is required", param="messages")
+    if not isinstance(value, list):
+        raise ProtocolError(f"'messages' must be an array, got {_type_name(value)}", param="messages")
+    if not value:
+        raise ProtocolError("'messages' must not be empty", param="messages")
+    messages = []
+    for i, message in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise ProtocolError(f"'{where}' must be an object, got {_type_name(message)}", param=where)
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise ProtocolError(f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
+                                param=f"{where}.role")
+        content = message.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ProtocolError(f"'{where}.content' parts must be {{\"type\": \"text\", \"text\": string}}; "
+                                        "other part types are not supported", param=f"{where}.content")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        if not isinstance(content, str):
+            raise ProtocolError(f"'{where}.content' must be a string or an array of text parts, got "
+                                f"{_type_name(content)}", param=f"{where}.content")
+        name = message.get("name")
+        if name is not None and not isinstance(name, str):
+            raise ProtocolError(f"'{where}.name' must be a string", param=f"{where}.name")
+        messages.append({"role": "system" if role == "developer" else role, "content": content})
+    return messages
+
+
+def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, *, prompt_param: str) -> None:
+    """OpenAI's rule: the prompt plus the requested completion must fit the context."""
+    if num_prompt_tokens >= max_model_len:
+        raise ProtocolError(
+            f"This model's maximum context length (max_model_len) is {max_model_len} tokens; the "
+            f"{prompt_param} has {num_prompt_tokens} tokens, which leaves no room to generate",
+            param=prompt_param,
+        )
+    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
+        raise ProtocolError(
+            f"This model's maximum context length (max_model_len) is {max_model_len} tokens; you asked for "
+            f"{num_prompt_tokens + max_tokens} ({num_prompt_tokens} in the {prompt_param}, {max_tokens} "
+            "in max_tokens)",
+            param="max_tokens",
+        )
