@@ -199,8 +199,8 @@ def format_table(m: BenchmarkMetrics, title: str = "Serving Benchmark Result") -
     row("Total generated tokens:", m.total_output_tokens)
     row("Request throughput (req/s):", m.request_throughput)
     if m.goodput is not None:
-        slos = " ".join(f"{k}:{v:g}" for k, v in m.slos_ms.items())
-        row(f"Request goodput (req/s) [{slos}]:", m.goodput)
+        row("Goodput SLOs (ms):", " ".join(f"{k}:{v:g}" for k, v in m.slos_ms.items()))
+        row("Request goodput (req/s):", m.goodput)
         row("Goodput ratio (good / sent):", m.goodput_ratio)
     row("Output token throughput (tok/s):", m.output_throughput)
     row("Total token throughput (tok/s):", m.total_token_throughput)

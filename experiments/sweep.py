@@ -143,6 +143,8 @@ def plot(points: Sequence[SweepPoint], kind: str, knee: int | None, capacity: in
     ax.plot(loads, [p.throughput for p in points], "o-", color="tab:blue",
             label="output throughput")
     ax.set_xscale("log", base=2)
+    ax.set_xticks(loads, [f"{x:g}" for x in loads])
+    ax.minorticks_off()
     ax.set_xlabel(kind)
     ax.set_ylabel("output tokens / s", color="tab:blue")
     ax2 = ax.twinx()
