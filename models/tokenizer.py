@@ -21,7 +21,7 @@ from typing import Any
 
 import gguf
 import sentencepiece
-from sentencepiece import sentencepiece_model_pb2
+import tokenizers
 
 from models.chat_template import compile_chat_template, render_chat_template, validate_messages
 from models.detokenizer import IncrementalDetokenizer
@@ -62,11 +62,6 @@ class Tokenizer:
             self._init_sentencepiece()
 
     def _init_sentencepiece(self) -> None:
-        proto = sentencepiece_model_pb2.ModelProto()
-        proto.ParseFromString(self._backend.serialized_model_proto())
-        # SentencePiece drops the dummy-prefix space of the first piece it decodes; decode() puts it
-        # back on pieces that follow a special token, so joining runs matches decoding them whole.
-        self._strips_leading_space = proto.normalizer_spec.add_dummy_prefix
         # SentencePiece reads control tokens written in text as plain characters; split them out.
         names = sorted(
             (self._backend.id_to_piece(i) for i in self.special_token_ids), key=len, reverse=True
@@ -75,6 +70,11 @@ class Tokenizer:
         self._special_pattern = (
             re.compile("(" + "|".join(re.escape(n) for n in names) + ")") if names else None
         )
+
+    @property
+    def backend(self) -> tokenizers.Tokenizer | sentencepiece.SentencePieceProcessor:
+        """The underlying `tokenizers.Tokenizer` or `SentencePieceProcessor` (for offsets, saving...)."""
+        return self._backend
 
     def __repr__(self) -> str:
         kind = "sentencepiece" if self._is_sentencepiece else "tokenizers"
@@ -126,6 +126,8 @@ class Tokenizer:
             return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
         if skip_special_tokens:
             return self._backend.decode([i for i in ids if i not in self.special_token_ids])
+        # Text between special tokens was encoded segment by segment, each with its own dummy-prefix
+        # space (as llama.cpp does); decoding segment by segment drops each again, so text round-trips.
         parts: list[str] = []
         run: list[int] = []
         for i in [*ids, None]:
@@ -133,10 +135,7 @@ class Tokenizer:
                 run.append(i)
                 continue
             if run:
-                text = self._backend.decode(run)
-                if parts and self._strips_leading_space and self._backend.id_to_piece(run[0]).startswith("\u2581"):
-                    text = " " + text
-                parts.append(text)
+                parts.append(self._backend.decode(run))
                 run = []
             if i is not None:
                 parts.append(self._backend.id_to_piece(i))

@@ -1,0 +1,47 @@
+"""The paged KV cache: its layout, its size, and its allocation on the device.
+
+Layout (the one place it is defined; the kernels' docstrings repeat it): a list with one
+(k_pages, v_pages) pair per layer, each [num_blocks, block_size, num_kv_heads, head_dim] in the
+model dtype. Block 0 is the null block: the scheduler never hands it out, and padding tokens'
+slots and padded block-table entries point into it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from models.config import ModelConfig
+
+
+def bytes_per_block(config: ModelConfig, block_size: int, dtype: str) -> int:
+    itemsize = jnp.dtype(dtype).itemsize
+    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * itemsize
+
+
+def num_blocks_for(
+    config: ModelConfig, *, block_size: int, dtype: str, num_kv_blocks: int | None,
+    kv_cache_bytes: int, memory_fraction: float, max_useful_blocks: int, device=None,
+) -> int:
+    """The cache size in blocks (including the null block).
+
+    Explicit `num_kv_blocks` wins. On an accelerator, `memory_fraction` of the memory still free
+    (after the weights are placed); on the CPU, the `kv_cache_bytes` budget. Never more than the
+    engine can use (max_num_seqs full-length requests, plus the null block).
+    """
+    if num_kv_blocks is not None:
+        return num_kv_blocks
+    per_block = bytes_per_block(config, block_size, dtype)
+    device = device or jax.devices()[0]
+    budget = kv_cache_bytes
+    if device.platform != "cpu":
+        stats = device.memory_stats() or {}
+        limit = stats.get("bytes_limit")
+        if limit:
+            budget = int((limit - stats.get("bytes_in_use", 0)) * memory_fraction)
+    return max(2, min(budget // per_block, max_useful_blocks))
+
+
+def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: str) -> list:
+    shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(config.num_layers)]

@@ -1,0 +1,91 @@
+"""The offline API: `LLM(model=..., **knobs).generate(prompts, sampling_params)`, vLLM's names.
+
+Bad input raises ValueError naming the field before anything is queued, so a failing prompt in a
+batch never leaves half the batch running.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str = "default", *, progress: bool = True, **knobs):
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **knobs), progress=progress)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        prompts = _normalize_prompts(prompts)
+        return self._run([(p, True, None) for p in prompts], sampling_params, use_tqdm)
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} dicts) or a list of conversations."""
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages: must be a non-empty list of messages or of conversations")
+        conversations = messages if isinstance(messages[0], list) else [messages]
+        items = []
+        for conv in conversations:
+            text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
+            # The template already wrote any BOS it wants, so no special tokens are added again.
+            items.append((self.engine.tokenize(text, add_special_tokens=False), False, text))
+        return self._run(items, sampling_params, use_tqdm)
+
+    def _run(self, items, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+        if sampling_params is None:
+            params = [SamplingParams()] * len(items)
+        elif isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(items)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(items):
+                raise ValueError(f"sampling_params: {len(params)} given for {len(items)} prompts")
+        for p in params:
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"sampling_params: expected SamplingParams, got {type(p).__name__}")
+        for prompt, add_special, _ in items:  # validate everything before queueing anything
+            self.engine.tokenize(prompt, add_special)
+        ids = []
+        try:
+            for (prompt, add_special, text), p in zip(items, params):
+                rid = f"offline-{next(self._ids)}"
+                self.engine.add_request(rid, prompt, p, add_special_tokens=add_special, prompt_text=text)
+                ids.append(rid)
+        except ValueError:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        results: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm, leave=False) as bar:
+            while len(results) < len(ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        return [results[rid] for rid in ids]
+
+
+def _normalize_prompts(prompts) -> list:
+    if isinstance(prompts, str):
+        return [prompts]
+    if not isinstance(prompts, list | tuple) or not prompts:
+        raise ValueError("prompts: must be a string, a list of strings, or a list of token-id lists")
+    if all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+        raise ValueError("prompts: a flat list of ints is ambiguous; pass [[ids...]] for one token-id prompt")
+    for p in prompts:
+        if not isinstance(p, str | list | tuple):
+            raise ValueError(f"prompts: each prompt must be a string or a list of token ids, got {type(p).__name__}")
+    return [list(p) if isinstance(p, tuple) else p for p in prompts]

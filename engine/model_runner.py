@@ -1,0 +1,154 @@
+"""ModelRunner: the scheduler's plan in, sampled tokens out, through one compiled step per bucket.
+
+1. At start-up every bucket (padded tokens T, padded sequences S) is lowered against abstract
+   shapes and compiled ahead of time, with a progress bar; the persistent compilation cache makes
+   a restart fast. A step whose shape falls outside the buckets is an error, never a recompile.
+2. `execute(scheduler_output)` fills StepInputs from reused numpy buffers (BatchBuilder), moves them
+   to the device in one transfer, and runs the bucket's executable. The KV cache is donated, so
+   each layer's new K/V is written in place by one scatter.
+3. The step returns one packed float32 array (see engine/sampler.py); one device-to-host copy
+   gives every sampled id and logprob as Python numbers in a StepResult.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from engine.kv_cache import allocate_kv_cache
+from engine.sampler import sample
+from engine.step_inputs import BatchBuilder, StepInputs
+from models.config import ModelConfig
+from models.llama import forward_paged
+from scheduler import SchedulerOutput, StepResult
+
+_compile_events = [0]
+
+
+def _count_backend_compiles(event: str, duration: float, **kwargs) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        _compile_events[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_backend_compiles)
+
+
+def num_backend_compilations() -> int:
+    """XLA compilations in this process so far (any function, hits of the persistent cache too)."""
+    return _compile_events[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerShapes:
+    token_buckets: tuple[int, ...]
+    seq_buckets: tuple[int, ...]
+    max_blocks_per_seq: int
+    num_blocks: int
+    block_size: int
+    history_len: int  # penalty history per row (max_model_len)
+    num_logprobs: int  # top logprobs computed per row when asked
+
+    def bucket_for(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
+        """The smallest (T, S) pair that fits; S follows T (see `pairs`)."""
+        i = bisect.bisect_left(self.token_buckets, num_tokens)
+        if i == len(self.token_buckets):
+            raise ValueError(f"{num_tokens} tokens exceed the largest token bucket {self.token_buckets[-1]}")
+        for t in self.token_buckets[i:]:
+            s = self.seq_bucket_for_tokens(t)
+            if s >= num_seqs:
+                return t, s
+        raise ValueError(f"{num_seqs} sequences exceed the largest sequence bucket {self.seq_buckets[-1]}")
+
+    def seq_bucket_for_tokens(self, t: int) -> int:
+        """Each token bucket compiles with one sequence count: enough rows for min(T, max rows)."""
+        want = min(t, self.seq_buckets[-1])
+        return self.seq_buckets[bisect.bisect_left(self.seq_buckets, want)]
+
+    def pairs(self) -> list[tuple[int, int]]:
+        return [(t, self.seq_bucket_for_tokens(t)) for t in self.token_buckets]
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, params, shapes: RunnerShapes, *, dtype: str,
+                 attention_backend: str, interpret: bool = False, precompile: bool = True,
+                 progress: bool = True):
+        self.model_config = model_config
+        self.params = params
+        self.shapes = shapes
+        self.dtype = dtype
+        self.kv_cache = allocate_kv_cache(model_config, shapes.num_blocks, shapes.block_size, dtype)
+        self.builder = BatchBuilder(
+            max_tokens=shapes.token_buckets[-1], max_seqs=shapes.seq_buckets[-1],
+            max_blocks_per_seq=shapes.max_blocks_per_seq, block_size=shapes.block_size,
+            history_len=shapes.history_len, vocab_size=model_config.vocab_size)
+        step = functools.partial(_step, config=model_config, attention_backend=attention_backend,
+                                 interpret=interpret, num_logprobs=shapes.num_logprobs)
+        self._jitted = jax.jit(step, donate_argnums=(1,))
+        self._compiled: dict[tuple[int, int], object] = {}
+        self.num_compilations = 0  # buckets compiled by this runner
+        self.num_padded_tokens = 0  # padding tokens fed so far (for the padding share)
+        self.num_real_tokens = 0
+        if precompile:
+            self.compile_all(progress=progress)
+
+    def compile_all(self, progress: bool = True) -> None:
+        pairs = self.shapes.pairs()
+        for t, s in tqdm(pairs, desc="compiling buckets", unit="bucket", disable=not progress, leave=False):
+            self._executable(t, s)
+
+    def _executable(self, t: int, s: int):
+        key = (t, s)
+        if key not in self._compiled:
+            if key not in self.shapes.pairs():
+                raise ValueError(f"shape (tokens={t}, seqs={s}) is not a declared bucket: {self.shapes.pairs()}")
+            abstract = _abstract_inputs(t, s, self.shapes)
+            self._compiled[key] = self._jitted.lower(self.params, self.kv_cache, abstract).compile()
+            self.num_compilations += 1
+        return self._compiled[key]
+
+    def execute(self, out: SchedulerOutput, row_params, histories) -> StepResult:
+        num_tokens = out.num_batched_tokens
+        t, s = self.shapes.bucket_for(num_tokens, len(out.scheduled))
+        inputs = self.builder.build(out, t, s, row_params, histories)
+        self.num_real_tokens += num_tokens
+        self.num_padded_tokens += t - num_tokens
+        device_inputs = jax.device_put(inputs)
+        self.kv_cache, packed = self._executable(t, s)(self.params, self.kv_cache, device_inputs)
+        host = np.asarray(jax.device_get(packed))
+        req_ids, token_ids, sampled_logprobs, top = [], [], [], []
+        k = self.shapes.num_logprobs
+        for row, sr in enumerate(out.scheduled):
+            if not sr.sample:
+                continue
+            req_ids.append(sr.req_id)
+            token_ids.append(int(host[row, 0]))
+            sampled_logprobs.append(float(host[row, 1]))
+            if k:
+                top.append((host[row, 2 : 2 + k].astype(np.int64).tolist(), host[row, 2 + k :].tolist()))
+        return StepResult(req_ids, token_ids, {"logprobs": sampled_logprobs, "top_logprobs": top})
+
+
+def _step(params, kv_cache, inputs: StepInputs, *, config, attention_backend, interpret, num_logprobs):
+    kv_cache, logits = forward_paged(params, config, kv_cache, inputs,
+                                     attention_backend=attention_backend, interpret=interpret)
+    return kv_cache, sample(logits, inputs, num_logprobs=num_logprobs)
+
+
+def _abstract_inputs(t: int, s: int, shapes: RunnerShapes) -> StepInputs:
+    i32, f32 = np.int32, np.float32
+    sds = jax.ShapeDtypeStruct
+    return StepInputs(
+        input_ids=sds((t,), i32), positions=sds((t,), i32), slot_mapping=sds((t,), i32),
+        query_start_loc=sds((s + 1,), i32), seq_lens=sds((s,), i32),
+        block_tables=sds((s, shapes.max_blocks_per_seq), i32), logits_indices=sds((s,), i32),
+        num_seqs=sds((), i32), temperature=sds((s,), f32), top_k=sds((s,), i32),
+        top_p=sds((s,), f32), min_p=sds((s,), f32), presence_penalty=sds((s,), f32),
+        frequency_penalty=sds((s,), f32), repetition_penalty=sds((s,), f32),
+        rng_seeds=sds((s,), np.uint32), rng_steps=sds((s,), i32),
+        penalty_tokens=sds((s, shapes.history_len), i32), flags=sds((4,), i32),
+    )

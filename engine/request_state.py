@@ -1,0 +1,125 @@
+"""Engine-side state of a request: its n sequences, their text, stop strings and logprobs.
+
+Stop strings: the text that could still be the start of a stop string is held back (not shown
+in `visible_text`), so a streaming client never receives text that is later cut off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.step_inputs import RowParams
+from models.detokenizer import IncrementalDetokenizer
+
+
+@dataclasses.dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    seqs: list[SequenceState] = dataclasses.field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.seqs)
+
+    def output(self) -> RequestOutput:
+        outputs = [
+            CompletionOutput(
+                index=s.index, text=s.visible_text, token_ids=list(s.request.output_token_ids),
+                finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+                logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                cumulative_logprob=s.cumulative_logprob)
+            for s in self.seqs
+        ]
+        self.metrics.num_cached_tokens = max((s.request.num_cached_tokens for s in self.seqs), default=0)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,
+                             finished=self.finished, metrics=self.metrics)
+
+
+class SequenceState:
+    def __init__(self, seq_id: str, index: int, parent: RequestState, request, row: RowParams,
+                 tokenizer):
+        self.seq_id = seq_id
+        self.index = index
+        self.parent = parent
+        self.request = request  # the scheduler's Request (holds output_token_ids)
+        self.row = row
+        params = parent.params
+        self.stops = params.stop
+        self.include_stop = params.include_stop_str_in_output
+        self.num_logprobs = params.logprobs
+        self.detok = IncrementalDetokenizer(tokenizer, parent.prompt_token_ids,
+                                            skip_special_tokens=params.skip_special_tokens)
+        self.text = ""
+        self.visible_text = ""
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+
+    def append(self, token: int, logprob, now: float) -> bool:
+        """Takes one sampled token; True when a stop string ended the sequence."""
+        metrics = self.parent.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.last_token_time = now
+        if logprob is not None:
+            sampled, (top_ids, top_vals) = logprob
+            entry = {int(t): float(v) for t, v in zip(top_ids[: self.num_logprobs], top_vals[: self.num_logprobs])}
+            entry[int(token)] = float(sampled)
+            self.logprobs.append(entry)
+            self.cumulative_logprob += float(sampled)
+        previous = len(self.text)
+        self.text += self.detok.add([token])
+        if self.stops and self._check_stop(previous):
+            return True
+        self.visible_text = self.text[: len(self.text) - self._held_back()]
+        return False
+
+    def finish(self, reason: str, now: float) -> None:
+        if self.finish_reason is not None:
+            return
+        if self.stop_reason is None:
+            previous = len(self.text)
+            self.text += self.detok.flush()
+            if self.stops:
+                self._check_stop(previous)
+        if self.stop_reason is None:
+            self.visible_text = self.text
+            if reason == "stop" and self.request.output_token_ids:
+                self.stop_reason = self.request.output_token_ids[-1]
+        self.finish_reason = "stop" if isinstance(self.stop_reason, str) else reason
+        self.parent.metrics.finished_time = now
+
+    def _check_stop(self, previous: int) -> bool:
+        longest = max(len(s) for s in self.stops)
+        start = max(0, previous - longest + 1)
+        best = None
+        for s in self.stops:
+            i = self.text.find(s, start)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            return False
+        i, s = best
+        self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
+        self.visible_text = self.text
+        self.stop_reason = s
+        return True
+
+    def _held_back(self) -> int:
+        """Length of the longest suffix of the text that is a proper prefix of a stop string."""
+        if not self.stops:
+            return 0
+        best = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(self.text)), best, -1):
+                if self.text.endswith(s[:n]):
+                    best = n
+                    break
+        return best
