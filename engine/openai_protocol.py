@@ -246,6 +246,8 @@ def _prompts(value) -> list[str | list[int]]:
                             "of token id arrays, and not empty", param="prompt")
     if len(value) > MAX_PROMPTS:
         raise ProtocolError(f"'prompt' may hold at most {MAX_PROMPTS} prompts, got {len(value)}", param="prompt")
+    if len({type(item) for item in value}) > 1:
+        raise ProtocolError("'prompt' must not mix strings and token id arrays", param="prompt")
     prompts: list[str | list[int]] = []
     for item in value:
         if isinstance(item, str):

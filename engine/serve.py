@@ -115,7 +115,8 @@ def server_config_from_flags() -> ServerConfig:
 
 
 def _build_llm_engine(config: EngineConfig):
-    from engine.llm_engine import LLMEngine  # imported here: jax and the model load only when serving
+    # Imported here so that jax and the model load only when serving the real engine.
+    from engine.llm_engine import LLMEngine
 
     return LLMEngine(config)
 
