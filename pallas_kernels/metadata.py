@@ -13,12 +13,16 @@ Walkthrough:
      block's tokens.
   3. A kernel writes [NB, block_q, Hq, D]; `scatter_query_blocks` gathers it back to [T, Hq, D]
      and zeroes padding tokens (index >= query_start_loc[num_seqs]).
+  The Pallas kernels use `pack_query_blocks` / `unpack_query_blocks`, the same gathers with the
+  query heads of one kv head stacked as rows: [NB, Hkv, block_q * group, D].
 """
 
 import dataclasses
 
 import jax
 import jax.numpy as jnp
+
+BLOCK_Q_CANDIDATES = (1, 2, 4, 8, 16, 32)
 
 
 def num_query_blocks(num_tokens: int, max_num_seqs: int, block_q: int) -> int:
@@ -106,6 +110,47 @@ def gather_query_blocks(q, md: BlockMetadata, *, block_q: int):
     """q[T, Hq, D] -> [NB, block_q, Hq, D]; rows past a block's q_len repeat valid tokens."""
     rows = md.q_starts[:, None] + jnp.arange(block_q, dtype=jnp.int32)[None, :]
     return q[jnp.clip(rows, 0, q.shape[0] - 1)]
+
+
+def choose_block_q(
+    num_tokens: int, max_num_seqs: int, rows_per_query: int, *, row_multiple: int = 1
+) -> int:
+    """Query tokens per block minimizing a static cost model of padded work.
+
+    A block costs its rows (block_q * rows_per_query, the query heads sharing one kv head) plus
+    a fixed share for fetching its pages (about two rows' worth: K and V). Decode batches
+    (T == S) pick 1 unless a kernel needs its row count to be a multiple of `row_multiple`
+    (TPU sublanes, Triton's minimum dot size).
+    """
+
+    def cost(bq: int) -> int:
+        return num_query_blocks(num_tokens, max_num_seqs, bq) * (bq * rows_per_query + 2)
+
+    fits = [bq for bq in BLOCK_Q_CANDIDATES if (bq * rows_per_query) % row_multiple == 0]
+    return min(fits or [BLOCK_Q_CANDIDATES[-1]], key=cost)
+
+
+def pack_query_blocks(q, md: BlockMetadata, *, block_q: int, num_kv_heads: int, group_pad: int):
+    """q[T, Hq, D] -> [NB, Hkv, block_q * group_pad, D], the Pallas kernels' query layout.
+
+    Row r of kv head h holds query token r // group_pad of the block and query head
+    h * G + r % group_pad; the group_pad - G extra heads (a power-of-two pad for Triton) are 0.
+    """
+    qb = gather_query_blocks(q, md, block_q=block_q)  # [NB, bq, Hq, D]
+    nb, _, hq, d = qb.shape
+    group = hq // num_kv_heads
+    qb = qb.reshape(nb, block_q, num_kv_heads, group, d)
+    if group_pad > group:
+        qb = jnp.pad(qb, ((0, 0), (0, 0), (0, 0), (0, group_pad - group), (0, 0)))
+    return qb.transpose(0, 2, 1, 3, 4).reshape(nb, num_kv_heads, block_q * group_pad, d)
+
+
+def unpack_query_blocks(out, md: BlockMetadata, *, block_q: int, group: int):
+    """Inverse of pack_query_blocks: [NB, Hkv, block_q * group_pad, D] -> [T, Hq, D]."""
+    nb, hkv, rows, d = out.shape
+    out = out.reshape(nb, hkv, block_q, rows // block_q, d)[:, :, :, :group]
+    out = out.transpose(0, 2, 1, 3, 4).reshape(nb, block_q, hkv * group, d)
+    return scatter_query_blocks(out, md)
 
 
 def scatter_query_blocks(out_blocks, md: BlockMetadata):

@@ -20,21 +20,6 @@ import jax.numpy as jnp
 
 from pallas_kernels import metadata, validation
 
-_BLOCK_Q_CANDIDATES = (1, 2, 4, 8, 16, 32)
-
-
-def choose_block_q(num_tokens: int, max_num_seqs: int, group: int) -> int:
-    """Query rows per block minimizing a static cost model of padded work.
-
-    Each block costs its rows (block_q * G dot products per kv position) plus a fixed share for
-    gathering its pages (about two rows' worth: K and V). Decode batches (T == S) pick 1.
-    """
-
-    def cost(bq: int) -> int:
-        return metadata.num_query_blocks(num_tokens, max_num_seqs, bq) * (bq * group + 2)
-
-    return min(_BLOCK_Q_CANDIDATES, key=cost)
-
 
 def choose_pages_per_step(block_size: int, max_blocks_per_seq: int) -> int:
     """About 128 kv positions per loop step: fewer, larger gathers and dots on the CPU."""
@@ -65,7 +50,7 @@ def ragged_paged_attention_xla(
     T, Hq, D = q.shape
     Hkv, G, bs = shapes.num_kv_heads, shapes.group, shapes.block_size
     mb = shapes.max_blocks_per_seq
-    bq = block_q or choose_block_q(T, shapes.max_num_seqs, G)
+    bq = block_q or metadata.choose_block_q(T, shapes.max_num_seqs, G)
     pps = pages_per_step or choose_pages_per_step(bs, mb)
     kv_step = pps * bs
 

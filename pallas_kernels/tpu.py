@@ -1,0 +1,216 @@
+"""Ragged paged attention as a Pallas TPU (Mosaic) kernel.
+
+Layout
+  q_blocks  [NB, Hkv, R, D] VMEM blocks, R = block_q * G rows: row r of kv head h is query token
+            r // G of the block, query head h * G + r % G (metadata.pack_query_blocks).
+  k_pages, v_pages [num_blocks, block_size, Hkv, D] stay in HBM (memory space pl.ANY); the kernel
+            copies the pages it needs, one whole page (all kv heads) per async copy.
+  out       [NB, Hkv, R, D], gathered back to [T, Hq, D] in XLA.
+  Scalar prefetch (SMEM): block tables flattened to [S * max_blocks_per_seq], and per query block
+  its sequence, real rows, kv position of row 0, and the page range [lo, hi) it reads.
+
+Walkthrough (grid = (NB,), one query block per step; "parallel": steps are independent)
+  1. Zero the online-softmax scratch (m = -inf, l = 0, acc = 0), one slice per kv head.
+  2. Start the async copy of page lo of this block's sequence into slot 0 of the double buffer.
+  3. For page j in [lo, hi): start copying page j + 1 into the other slot, wait for page j, and
+     for each kv head: scores [R, block_size] = q . k^T * sm_scale (float32), soft cap, mask
+     (causal by position, window, never past the block's last real position), update m, l, acc.
+  4. Write acc / l (zero where a row saw nothing: padding blocks run no page at all).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import metadata, validation
+
+_ROW_MULTIPLE = 8  # sublanes of a TPU vreg: R = block_q * G is padded-free when a multiple of 8
+
+
+def _tpu_kernel(
+    # Scalar prefetch, SMEM.
+    tables_ref,  # int32[S * max_blocks_per_seq] block tables, row-major
+    seq_ref,  # int32[NB] sequence of each query block
+    q_len_ref,  # int32[NB] real query tokens of each block (0: padding block)
+    pos_ref,  # int32[NB] kv position of each block's first query token
+    lo_ref,  # int32[NB] first page (index into the block table row) the block reads
+    hi_ref,  # int32[NB] one past the last page it reads
+    # Inputs.
+    q_ref,  # VMEM [Hkv, R, D] this block's queries
+    k_hbm,  # HBM [num_blocks, block_size, Hkv, D]
+    v_hbm,  # HBM [num_blocks, block_size, Hkv, D]
+    # Output.
+    o_ref,  # VMEM [Hkv, R, D]
+    # Scratch.
+    k_buf,  # VMEM [2, block_size, Hkv, D] double-buffered K page
+    v_buf,  # VMEM [2, block_size, Hkv, D] double-buffered V page
+    sems,  # DMA semaphores [2 (K, V), 2 (slot)]
+    m_scr,  # VMEM f32[Hkv, R, 1] running max
+    l_scr,  # VMEM f32[Hkv, R, 1] running sum
+    acc_scr,  # VMEM f32[Hkv, R, D] running numerator
+    *,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    group: int,
+    max_blocks_per_seq: int,
+):
+    b = pl.program_id(0)
+    seq, lo, hi = seq_ref[b], lo_ref[b], hi_ref[b]
+    first_pos = pos_ref[b]
+    kv_end = first_pos + q_len_ref[b]  # no row reads kv positions >= kv_end
+    num_kv_heads, rows, _ = q_ref.shape
+    block_size = k_buf.shape[1]
+
+    m_scr[...] = jnp.full(m_scr.shape, -jnp.inf, jnp.float32)
+    l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
+    acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
+
+    def page_copies(j, slot):
+        page = tables_ref[seq * max_blocks_per_seq + j]
+        return (
+            pltpu.make_async_copy(k_hbm.at[page], k_buf.at[slot], sems.at[0, slot]),
+            pltpu.make_async_copy(v_hbm.at[page], v_buf.at[slot], sems.at[1, slot]),
+        )
+
+    @pl.when(lo < hi)
+    def _():
+        for copy in page_copies(lo, 0):
+            copy.start()
+
+    row_pos = first_pos + lax.broadcasted_iota(jnp.int32, (rows, block_size), 0) // group
+    col = lax.broadcasted_iota(jnp.int32, (rows, block_size), 1)
+
+    def body(j, carry):
+        slot = lax.rem(j - lo, 2)
+
+        @pl.when(j + 1 < hi)
+        def _():
+            for copy in page_copies(j + 1, 1 - slot):
+                copy.start()
+
+        for copy in page_copies(j, slot):
+            copy.wait()
+
+        kv_pos = j * block_size + col  # [R, block_size]
+        mask = (kv_pos <= row_pos) & (kv_pos < kv_end)
+        if sliding_window is not None:
+            mask &= kv_pos > row_pos - sliding_window
+        for h in range(num_kv_heads):
+            q = q_ref[h]  # [R, D]
+            k = k_buf[slot, :, h, :]  # [block_size, D]
+            v = v_buf[slot, :, h, :]  # [block_size, D]
+            s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            s = s * sm_scale  # [R, block_size]
+            if soft_cap is not None:
+                s = soft_cap * jnp.tanh(s / soft_cap)
+            s = jnp.where(mask, s, -jnp.inf)
+            m_prev = m_scr[h]  # [R, 1]
+            m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            p = jnp.exp(s - m_safe)
+            alpha = jnp.exp(m_prev - m_safe)
+            l_scr[h] = alpha * l_scr[h] + jnp.sum(p, axis=1, keepdims=True)
+            acc_scr[h] = alpha * acc_scr[h] + lax.dot_general(
+                p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+            )
+            m_scr[h] = m_new
+        return carry
+
+    lax.fori_loop(lo, hi, body, 0)
+    denom = l_scr[...]
+    o_ref[...] = (acc_scr[...] / jnp.where(denom == 0.0, 1.0, denom)).astype(o_ref.dtype)
+
+
+def _tpu_pallas_call(scalars, q_blocks, k_pages, v_pages, *, interpret, **static):
+    """pallas_call over grid (NB,); scalars = (tables, seq, q_len, pos, lo, hi)."""
+    nb, num_kv_heads, rows, head_dim = q_blocks.shape
+    _, block_size, _, _ = k_pages.shape
+    block = pl.BlockSpec((None, num_kv_heads, rows, head_dim), lambda b, *_: (b, 0, 0, 0))
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=len(scalars),
+        grid=(nb,),
+        in_specs=[block, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=block,
+        scratch_shapes=[
+            pltpu.VMEM((2, block_size, num_kv_heads, head_dim), k_pages.dtype),
+            pltpu.VMEM((2, block_size, num_kv_heads, head_dim), v_pages.dtype),
+            pltpu.SemaphoreType.DMA((2, 2)),
+            pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),
+            pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),
+            pltpu.VMEM((num_kv_heads, rows, head_dim), jnp.float32),
+        ],
+    )
+    return pl.pallas_call(
+        functools.partial(_tpu_kernel, **static),
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct(q_blocks.shape, q_blocks.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        interpret=interpret,
+        name="ragged_paged_attention_tpu",
+    )(*scalars, q_blocks, k_pages, v_pages)
+
+
+def ragged_paged_attention_tpu(
+    q,
+    k_pages,
+    v_pages,
+    seq_lens,
+    block_tables,
+    query_start_loc,
+    num_seqs,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    interpret: bool | pltpu.InterpretParams = False,
+    block_q: int | None = None,
+):
+    """Public entry of the TPU kernel: validates shapes (ValueError), returns [T, Hq, D].
+
+    interpret=True runs TPU interpret mode (pltpu.InterpretParams(), which simulates HBM, VMEM,
+    DMAs and semaphores on the CPU); pass an InterpretParams to choose its checks.
+    """
+    shapes = validation.check_attention_inputs(
+        q, k_pages, v_pages, seq_lens, block_tables, query_start_loc, num_seqs
+    )
+    validation.check_options(sm_scale, sliding_window, soft_cap, "pallas_tpu")
+    q, k_pages, v_pages, block_tables = map(jnp.asarray, (q, k_pages, v_pages, block_tables))
+    group, num_tokens = shapes.group, shapes.num_tokens
+    bq = block_q or metadata.choose_block_q(
+        num_tokens, shapes.max_num_seqs, group, row_multiple=_ROW_MULTIPLE
+    )
+    if interpret is True:
+        interpret = pltpu.InterpretParams()
+    md = metadata.compute_block_metadata(
+        seq_lens, query_start_loc, num_seqs, num_tokens=num_tokens, block_q=bq
+    )
+    lo, hi = metadata.kv_page_range(md, block_size=shapes.block_size, sliding_window=sliding_window)
+    scalars = (
+        block_tables.astype(jnp.int32).reshape(-1),
+        md.seq_ids,
+        md.q_lens,
+        md.first_pos,
+        lo,
+        hi,
+    )
+    q_blocks = metadata.pack_query_blocks(
+        q, md, block_q=bq, num_kv_heads=shapes.num_kv_heads, group_pad=group
+    )
+    out = _tpu_pallas_call(
+        scalars,
+        q_blocks,
+        k_pages,
+        v_pages,
+        interpret=interpret,
+        sm_scale=float(sm_scale),
+        sliding_window=sliding_window,
+        soft_cap=None if soft_cap is None else float(soft_cap),
+        group=group,
+        max_blocks_per_seq=shapes.max_blocks_per_seq,
+    )
+    return metadata.unpack_query_blocks(out, md, block_q=bq, group=group)
