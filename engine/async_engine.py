@@ -67,37 +67,41 @@ class _Stop:
 
 
 class RequestStream:
-    """The outputs of the engine requests of one HTTP request (one per prompt), on one queue.
+    """The outputs of the engine requests of one HTTP request (one per prompt).
 
-    Outputs are cumulative, so a reader that falls behind loses nothing by keeping only the newest
-    output of each request: `next_outputs` drains everything queued and returns that.
+    Outputs are cumulative, so only the newest output of each request is kept until the reader
+    takes it: a slow reader costs one output per request, not a backlog.
     """
 
     def __init__(self, engine: AsyncLLMEngine):
         self._engine = engine
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._newest: dict[str, RequestOutput] = {}
+        self._error: EngineError | None = None
+        self._ready = asyncio.Event()
         self.request_ids: list[str] = []
         self.finished: set[str] = set()
 
     def _put(self, item: RequestOutput | EngineError) -> None:
-        self._queue.put_nowait(item)
+        if isinstance(item, EngineError):
+            self._error = item
+        else:
+            self._newest[item.request_id] = item
+        self._ready.set()
 
     @property
     def done(self) -> bool:
         return len(self.finished) == len(self.request_ids)
 
     async def next_outputs(self) -> dict[str, RequestOutput]:
-        """Waits for at least one output; returns the newest per request id. Raises EngineError."""
-        items = [await self._queue.get()]
-        while not self._queue.empty():
-            items.append(self._queue.get_nowait())
-        newest: dict[str, RequestOutput] = {}
-        for item in items:
-            if isinstance(item, EngineError):
-                raise item
-            newest[item.request_id] = item
-            if item.finished:
-                self.finished.add(item.request_id)
+        """Waits for news; returns the newest output per request id. Raises EngineError."""
+        await self._ready.wait()
+        self._ready.clear()
+        if self._error is not None:
+            raise self._error
+        newest, self._newest = self._newest, {}
+        for request_id, output in newest.items():
+            if output.finished:
+                self.finished.add(request_id)
         return newest
 
     def abort_unfinished(self) -> None:

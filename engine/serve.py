@@ -30,7 +30,7 @@ flags.DEFINE_integer("port", 8000, "Port to listen on; 0 picks a free one (print
 flags.DEFINE_string("api_key", None, "If set, /v1 requests need 'Authorization: Bearer <api_key>'.")
 flags.DEFINE_string("served_model_name", None, "Model name in the API; default: the engine's model name.")
 flags.DEFINE_integer("max_queue_len", None, "Most waiting requests; beyond it new requests get 503 with "
-                     "Retry-After. Default: unbounded.", lower_bound=0)
+                     "Retry-After. Default: unbounded.", lower_bound=1)
 flags.DEFINE_float("shutdown_grace_s", 30.0, "After SIGTERM, seconds in-flight requests may take to finish.",
                    lower_bound=0.0)
 flags.DEFINE_enum("log_level", "info", ["debug", "info", "warning", "error"], "Python logging level.")

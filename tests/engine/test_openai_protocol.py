@@ -12,7 +12,13 @@ from engine.openai_protocol import (
     parse_chat_request,
     parse_completion_request,
 )
-from engine.openai_responses import ChoiceCursor, TokenTexts, advance, chat_logprobs, completion_logprobs
+from engine.openai_responses import (
+    ChoiceCursor,
+    TokenTexts,
+    advance,
+    chat_logprobs,
+    completion_logprobs,
+)
 from engine.outputs import CompletionOutput
 
 NAMES = ("m",)

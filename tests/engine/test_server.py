@@ -4,8 +4,10 @@ The fake model's greedy continuation is computable here (fake_engine.candidate_l
 token counts and logprobs are checked exactly, and streamed text must equal the whole response.
 """
 
+import dataclasses
 import math
 import pathlib
+import subprocess
 import sys
 
 import openai
@@ -14,6 +16,8 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from fake_engine import FakeTokenizer, candidate_logprobs  # noqa: E402
 from server_launcher import ServerProcess, http, parse_metrics  # noqa: E402
+
+from engine.config import EngineConfig  # noqa: E402
 
 MODEL = "fake-model"
 TOK = FakeTokenizer()
@@ -185,3 +189,14 @@ def test_models_health_and_metrics(client, server):
     assert samples["jaxserve:inter_token_latency_seconds_count"] > 0
     assert samples['jaxserve:http_responses_total{status="200"}'] > 0
     assert samples['jaxserve:request_success_total{finished_reason="length"}'] > 0
+
+
+def test_every_engine_knob_is_a_flag_and_bad_values_are_refused():
+    helped = subprocess.run([sys.executable, "-m", "engine.serve", "--helpfull"], capture_output=True, text=True,
+                            cwd=pathlib.Path(__file__).resolve().parents[2])
+    for name in [f.name for f in dataclasses.fields(EngineConfig)] + ["host", "port", "api_key",
+                                                                      "served_model_name", "max_queue_len"]:
+        assert f"--{name}:" in helped.stdout or f"--[no]{name}:" in helped.stdout, name
+    bad = subprocess.run([sys.executable, "-m", "engine.serve", "--block_size=0"], capture_output=True, text=True,
+                         cwd=pathlib.Path(__file__).resolve().parents[2])
+    assert bad.returncode != 0 and "block_size" in bad.stderr + bad.stdout

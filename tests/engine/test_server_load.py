@@ -143,7 +143,7 @@ def test_overload_gets_503_at_once_and_accepted_requests_complete():
     rejected = [r for r in results if r[0] == 503]
     assert len(accepted) + len(rejected) == 12
     assert 2 <= len(accepted) <= 4  # two running plus at most two waiting
-    for _, retry_after, body, _ in accepted:
+    for _, _, body, _ in accepted:
         assert body["usage"]["completion_tokens"] == 20
     slowest_accepted = max(r[3] for r in accepted)
     for _, retry_after, body, seconds in rejected:
