@@ -284,6 +284,8 @@ class OpenAIServer:
                         delta = advance(cursors[index], completion)
                         if delta is None:
                             continue
+                        if not delta.text and delta.finish_reason is None and job.params.logprobs is None:
+                            continue  # tokens whose text is not complete yet (a split UTF-8 character)
                         num_generated[index] = len(completion.token_ids)
                         parts.append(chunk([self._chunk_choice(job, index, cursors[index], delta)]))
                 if parts:
@@ -321,14 +323,14 @@ class OpenAIServer:
         await site.start()
         port = runner.addresses[0][1] if runner.addresses else self.config.port
         print(f"jaxserve: serving {self.model_name} on http://{self.config.host}:{port}", flush=True)
-        stop = asyncio.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+        stop, force = asyncio.Event(), asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):  # a second signal cuts the grace period short
+            loop.add_signal_handler(sig, lambda: force.set() if stop.is_set() else stop.set())
         await stop.wait()
         logger.info("shutting down: draining %d in-flight requests", self.num_in_flight)
         self.draining = True
         deadline = loop.time() + self.config.shutdown_grace_s
-        while self.num_in_flight and loop.time() < deadline:
+        while self.num_in_flight and loop.time() < deadline and not force.is_set():
             await asyncio.sleep(0.05)
         await self.async_engine.shutdown()
         deadline = loop.time() + 2.0
