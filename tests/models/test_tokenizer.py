@@ -205,3 +205,23 @@ def test_chat_prompts_render_and_encode_like_hugging_face(tok, hf_reference):
         assert tok.encode(rendered) == prompt["prompt_token_ids"]
         greedy = prompt["greedy_token_ids"]
         assert tok.decode(greedy, skip_special_tokens=False) == prompt["greedy_text"]
+
+
+def test_reference_fixture_is_consistent(hf_reference):
+    """The arrays beside the JSON belong to it: shapes, greedy ids = top-1, margins = top-1 - top-2."""
+    arrays = np.load(FIXTURES / "smollm2_reference.npz")
+    prompts = hf_reference["prompts"]
+    num_prompts, num_steps = len(prompts), hf_reference["num_greedy_tokens"]
+    assert arrays["last_logits"].shape == (num_prompts, 49152) and arrays["last_logits"].dtype == np.float32
+    assert arrays["greedy_margins"].shape == (num_prompts, num_steps) == (num_prompts, 16)
+    topk_ids, topk_logits = arrays["greedy_topk_ids"], arrays["greedy_topk_logits"]
+    for p, prompt in enumerate(prompts):
+        assert int(arrays["last_logits"][p].argmax()) == prompt["greedy_token_ids"][0]
+        assert topk_ids[p, :, 0].tolist() == prompt["greedy_token_ids"]
+        np.testing.assert_allclose(arrays["greedy_margins"][p], topk_logits[p, :, 0] - topk_logits[p, :, 1])
+        np.testing.assert_allclose(arrays["last_logits"][p][topk_ids[p, 0]], topk_logits[p, 0])
+    assert any(len(p["prompt_token_ids"]) >= 180 for p in prompts)
+    assert any(not p["rendered"].isascii() for p in prompts)
+    assert {"torch", "transformers", "gguf"} <= hf_reference["versions"].keys()
+    assert "make_reference_fixtures.py" in hf_reference["command"]
+    assert sum(f.stat().st_size for f in FIXTURES.glob("smollm2_reference.*")) < 2 << 20
