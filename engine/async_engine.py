@@ -126,7 +126,6 @@ class AsyncLLMEngine:
         self._trackers: dict[str, _Tracker] = {}  # event loop only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self.error_count = 0  # failed engine steps
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -229,6 +228,7 @@ class AsyncLLMEngine:
             self._commands.put(_Abort(request_id))
 
     def _fail_all(self, request_ids: list[str], message: str) -> None:
+        self.metrics.engine_step_errors += 1
         for request_id in request_ids:
             self._fail(request_id, EngineError(message))
 
@@ -254,9 +254,10 @@ class AsyncLLMEngine:
                 break
         num_adds = 0
         try:
-            for command in commands:
+            for position, command in enumerate(commands):
                 if isinstance(command, _Stop):
                     self._abort_in_engine(live)
+                    self._refuse_queued_adds(commands[position + 1:])
                     return False
                 if isinstance(command, _Add):
                     num_adds += 1
@@ -272,7 +273,6 @@ class AsyncLLMEngine:
         try:
             outputs = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - one bad step must not end the server
-            self.error_count += 1
             logger.exception("engine step failed; failing the %d requests in flight", len(live))
             failed = sorted(live)
             self._abort_in_engine(failed)
@@ -288,6 +288,17 @@ class AsyncLLMEngine:
         if outputs:
             self._loop.call_soon_threadsafe(self._deliver, outputs, time.monotonic())
         return True
+
+    def _refuse_queued_adds(self, commands: list) -> None:
+        """At stop: adds not handed to the engine fail, so no handler waits on them forever."""
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                break
+        for command in commands:
+            if isinstance(command, _Add) and command.future.set_running_or_notify_cancel():
+                command.future.set_exception(EngineError("the server is shutting down"))
 
     def _abort_in_engine(self, request_ids) -> None:
         for request_id in list(request_ids):

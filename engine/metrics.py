@@ -82,6 +82,7 @@ class ServerMetrics:
         self.e2e = Histogram("e2e_request_latency_seconds", "Time from request arrival to its last output.", E2E_BUCKETS)
         self.requests_finished: dict[str, int] = {}  # finish reason -> count
         self.http_responses: dict[str, int] = {}  # status code -> count
+        self.engine_step_errors = 0  # engine steps that raised (their requests failed with 500)
 
     def observe_first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
@@ -129,6 +130,8 @@ class ServerMetrics:
         lines += _scalar("counter", "request_success_total", "Finished requests by finish reason.", finished)
         responses = [({"status": status}, count) for status, count in sorted(self.http_responses.items())]
         lines += _scalar("counter", "http_responses_total", "HTTP responses of /v1 endpoints by status code.", responses)
+        lines += _scalar("counter", "engine_step_errors_total", "Engine steps that raised; their requests failed.",
+                         [({}, self.engine_step_errors)])
         for hist in (self.ttft, self.itl, self.e2e):
             lines += hist.render()
         return "\n".join(lines) + "\n"

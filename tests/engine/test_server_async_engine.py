@@ -122,3 +122,19 @@ def test_queue_full_counts_waiting_and_pending():
             stream.abort_unfinished()
 
     _run(body, step_sleep=0.01, max_queue_len=2)
+
+
+def test_an_add_racing_shutdown_fails_instead_of_hanging():
+    async def body(engine, async_engine):
+        stream = async_engine.new_stream()
+        await async_engine.add_request(stream, "running", [1, 2], SamplingParams(max_tokens=1000))
+        shutdown = asyncio.create_task(async_engine.shutdown())
+        await asyncio.sleep(0)  # the stop command is queued
+        with pytest.raises(EngineError):
+            await asyncio.wait_for(async_engine.add_request(async_engine.new_stream(), "late", [1, 2], SamplingParams()), 5)
+        with pytest.raises(EngineError, match="shutting down"):
+            await _collect(stream)
+        await shutdown
+        assert not engine.has_unfinished_requests()  # the step thread aborted what it held
+
+    _run(body, step_sleep=0.005)

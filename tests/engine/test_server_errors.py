@@ -135,4 +135,5 @@ def test_failing_engine_step_fails_only_its_requests(server):
     assert out.usage.completion_tokens == 4
     metrics = parse_metrics(http("GET", server.url + "/metrics")[2])
     assert metrics["jaxserve:num_requests_running"] == 0 and metrics["jaxserve:kv_cache_usage_perc"] == 0
+    assert metrics["jaxserve:engine_step_errors_total"] == 2
     assert http("GET", server.url + "/health")[0] == 200
