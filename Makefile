@@ -5,6 +5,9 @@ STAMP := $(VENV)/.installed-stamp
 PROMPT ?= Explain in two sentences why a GPU serving one user is mostly idle.
 
 .PHONY: setup test lint demo serve bench clean
+HOST ?= 127.0.0.1
+PORT ?= 8000
+SERVE_FLAGS ?=
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -24,7 +27,19 @@ lint: setup
 	$(VENV)/bin/ruff check .
 
 demo: setup
-	JAX_PLATFORMS=$${JAX_PLATFORMS:-} $(PY) -m experiments.generate --prompt="$(PROMPT)"
+	$(PY) -m experiments.generate --prompt="$(PROMPT)"
+
+serve: setup
+	$(PY) -m engine.serve --model=default --host=$(HOST) --port=$(PORT) $(SERVE_FLAGS)
+
+# A quick concurrency sweep of the server on the default model (about 10 minutes on a 2-core CPU).
+bench: setup
+	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m experiments.sweep \
+	  --server_cmd="$(PY) -m engine.serve --model=default --port=8123 --max_num_seqs=16" \
+	  --base_url=http://127.0.0.1:8123 --tag=bench \
+	  --dataset=sharegpt --max_prompt_len=256 --max_output_len=64 \
+	  --concurrencies=1,2,4,8,16 --num_prompts=8 --prompts_per_concurrency=2 \
+	  --temperature=0 --ignore_eos --goodput="ttft:2000 itl_p95:250" --slo_itl_p95_ms=250
 
 clean:
 	rm -rf $(VENV) .cache
