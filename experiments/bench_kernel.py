@@ -1,0 +1,172 @@
+"""Paged attention (the `xla` path) against dense attention over a contiguous cache, on the CPU.
+
+    python -m experiments.bench_kernel [--context=1024 --decode_seqs=32 --repeats=30 ...]
+
+Both sides compute the same attention for the same batch; only the KV memory layout differs:
+  paged  pallas_kernels.ragged_paged_attention(backend="xla"): flat ragged tokens, pages scattered
+         over a shuffled block pool, a loop over block-table pages with online softmax.
+  dense  each sequence's K/V contiguous in [S, L, Hkv, D] (L = longest context, rounded up to a
+         page), one masked softmax attention per group of equal query lengths: decodes as [S, 1],
+         prefill chunks as [S, chunk]. That is the best case for dense (no ragged padding).
+Shapes: "decode" (decode_seqs sequences, one token each) and "mixed" (the same decodes plus
+prefill_seqs chunks of prefill_chunk tokens in one flat batch). Contexts are uniform in
+[context / 2, context]. Times are medians of `repeats` interleaved runs (paged, dense, paged, ...)
+after a warm-up; the ratio paged / dense is the number to watch (goal: <= 1.2).
+"""
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from pallas_kernels import ragged_paged_attention
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("shapes", ["decode", "mixed"], "Which batches to time: decode, mixed.")
+flags.DEFINE_integer("context", 1024, "Longest kv context; contexts are uniform in [c/2, c].")
+flags.DEFINE_integer("decode_seqs", 32, "Decoding sequences (one query token each).")
+flags.DEFINE_integer("prefill_seqs", 2, "Prefill chunks in the mixed batch.")
+flags.DEFINE_integer("prefill_chunk", 128, "Tokens per prefill chunk in the mixed batch.")
+flags.DEFINE_integer("num_q_heads", 9, "Query heads (default: SmolLM2-135M).")
+flags.DEFINE_integer("num_kv_heads", 3, "KV heads (default: SmolLM2-135M).")
+flags.DEFINE_integer("head_dim", 64, "Head dimension (default: SmolLM2-135M).")
+flags.DEFINE_integer("block_size", 16, "Tokens per KV page.")
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Activation and cache dtype.")
+flags.DEFINE_integer("repeats", 30, "Timed runs per implementation.")
+flags.DEFINE_integer("seed", 0, "Random seed.")
+
+
+def make_batch(rng, q_lens, kv_lens, *, hq, hkv, d, block_size, dtype):
+    """Paged and contiguous copies of the same K/V, plus flat and per-sequence queries."""
+    num_seqs = len(q_lens)
+    longest = -(-max(kv_lens) // block_size) * block_size
+    k_dense = rng.normal(size=(num_seqs, longest, hkv, d)).astype(np.float32)
+    v_dense = rng.normal(size=(num_seqs, longest, hkv, d)).astype(np.float32)
+    pages_per_seq = longest // block_size
+    num_blocks = 1 + num_seqs * pages_per_seq
+    block_ids = 1 + rng.permutation(num_seqs * pages_per_seq)  # shuffled pool, block 0 is null
+    block_tables = block_ids.reshape(num_seqs, pages_per_seq).astype(np.int32)
+    k_pages = np.zeros((num_blocks, block_size, hkv, d), np.float32)
+    v_pages = np.zeros((num_blocks, block_size, hkv, d), np.float32)
+    k_pages[block_tables] = k_dense.reshape(num_seqs, pages_per_seq, block_size, hkv, d)
+    v_pages[block_tables] = v_dense.reshape(num_seqs, pages_per_seq, block_size, hkv, d)
+    q = rng.normal(size=(sum(q_lens), hq, d)).astype(np.float32)
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    cast = lambda x: jnp.asarray(x, dtype)
+    paged = dict(
+        q=cast(q),
+        k_pages=cast(k_pages),
+        v_pages=cast(v_pages),
+        seq_lens=jnp.asarray(kv_lens, jnp.int32),
+        block_tables=jnp.asarray(block_tables),
+        query_start_loc=jnp.asarray(qsl),
+        num_seqs=jnp.int32(num_seqs),
+    )
+    # Dense: one group per distinct query length, queries [S_group, q_len, Hq, D].
+    groups = []
+    for q_len in sorted(set(q_lens)):
+        seqs = np.array([s for s, n in enumerate(q_lens) if n == q_len])
+        rows = qsl[seqs][:, None] + np.arange(q_len)[None, :]
+        groups.append(
+            dict(
+                q=cast(q[rows]),
+                k=cast(k_dense[seqs]),
+                v=cast(v_dense[seqs]),
+                seq_lens=jnp.asarray(np.asarray(kv_lens)[seqs], jnp.int32),
+            )
+        )
+    return paged, groups
+
+
+def dense_attention(q, k, v, seq_lens, *, sm_scale):
+    """q [S, Q, Hq, D] over contiguous k, v [S, L, Hkv, D]; causal by position."""
+    s_, q_len, hq, d = q.shape
+    hkv = k.shape[2]
+    qg = q.astype(jnp.float32).reshape(s_, q_len, hkv, hq // hkv, d)
+    logits = jnp.einsum("sqhgd,skhd->sqhgk", qg, k.astype(jnp.float32)) * sm_scale
+    q_pos = seq_lens[:, None] - q_len + jnp.arange(q_len)[None, :]  # [S, Q]
+    kv_pos = jnp.arange(k.shape[1])
+    mask = kv_pos[None, None, :] <= q_pos[:, :, None]
+    logits = jnp.where(mask[:, :, None, None, :], logits, -jnp.inf)
+    probs = jax.nn.softmax(logits, axis=-1)
+    out = jnp.einsum("sqhgk,skhd->sqhgd", probs, v.astype(jnp.float32))
+    return out.reshape(s_, q_len, hq, d).astype(q.dtype)
+
+
+def time_interleaved(fns, repeats):
+    """Median seconds of each zero-argument function, runs interleaved."""
+    for fn in fns:
+        jax.block_until_ready(fn())
+    times = [[] for _ in fns]
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[i].append(time.perf_counter() - start)
+    return [float(np.median(t)) for t in times]
+
+
+def main(argv):
+    del argv
+    rng = np.random.default_rng(FLAGS.seed)
+    dtype = jnp.dtype(FLAGS.dtype)
+    sm_scale = FLAGS.head_dim**-0.5
+    decode_kv = rng.integers(FLAGS.context // 2, FLAGS.context + 1, FLAGS.decode_seqs).tolist()
+    shapes = {
+        "decode": ([1] * FLAGS.decode_seqs, decode_kv),
+        "mixed": (
+            [1] * FLAGS.decode_seqs + [FLAGS.prefill_chunk] * FLAGS.prefill_seqs,
+            decode_kv
+            + rng.integers(
+                max(FLAGS.context // 2, FLAGS.prefill_chunk), FLAGS.context + 1, FLAGS.prefill_seqs
+            ).tolist(),
+        ),
+    }
+    paged_fn = jax.jit(lambda b: ragged_paged_attention(**b, sm_scale=sm_scale, backend="xla"))
+    dense_fn = jax.jit(
+        lambda groups: [
+            dense_attention(g["q"], g["k"], g["v"], g["seq_lens"], sm_scale=sm_scale)
+            for g in groups
+        ]
+    )
+    print(
+        f"jax {jax.__version__} on {jax.devices()[0].platform}; Hq={FLAGS.num_q_heads} "
+        f"Hkv={FLAGS.num_kv_heads} D={FLAGS.head_dim} block_size={FLAGS.block_size} "
+        f"dtype={FLAGS.dtype} repeats={FLAGS.repeats}"
+    )
+    print(
+        f"{'shape':8} {'T':>5} {'S':>4} {'max_kv':>7} {'paged ms':>9} {'dense ms':>9} {'ratio':>6}"
+    )
+    for name in FLAGS.shapes:
+        q_lens, kv_lens = shapes[name]
+        paged, groups = make_batch(
+            rng,
+            q_lens,
+            kv_lens,
+            hq=FLAGS.num_q_heads,
+            hkv=FLAGS.num_kv_heads,
+            d=FLAGS.head_dim,
+            block_size=FLAGS.block_size,
+            dtype=dtype,
+        )
+        out_paged = paged_fn(paged)
+        out_dense = jnp.concatenate([o.reshape(-1, *o.shape[2:]) for o in dense_fn(groups)], axis=0)
+        # Same answer (dense groups are ordered decodes first, as the flat batch is).
+        np.testing.assert_allclose(
+            np.asarray(out_paged, np.float32),
+            np.asarray(out_dense, np.float32),
+            atol=2e-2 if FLAGS.dtype == "bfloat16" else 1e-4,
+        )
+        paged_s, dense_s = time_interleaved(
+            [lambda: paged_fn(paged), lambda: dense_fn(groups)], FLAGS.repeats
+        )
+        print(
+            f"{name:8} {len(paged['q']):5d} {len(q_lens):4d} {max(kv_lens):7d} "
+            f"{paged_s * 1e3:9.3f} {dense_s * 1e3:9.3f} {paged_s / dense_s:6.2f}"
+        )
+
+
+if __name__ == "__main__":
+    app.run(main)
