@@ -14,6 +14,7 @@ prefill_seqs chunks of prefill_chunk tokens in one flat batch). Contexts are uni
 after a warm-up; the ratio paged / dense is the number to watch (goal: <= 1.2).
 """
 
+import functools
 import time
 
 import jax
@@ -160,7 +161,7 @@ def main(argv):
             atol=2e-2 if FLAGS.dtype == "bfloat16" else 1e-4,
         )
         paged_s, dense_s = time_interleaved(
-            [lambda: paged_fn(paged), lambda: dense_fn(groups)], FLAGS.repeats
+            [functools.partial(paged_fn, paged), functools.partial(dense_fn, groups)], FLAGS.repeats
         )
         print(
             f"{name:8} {len(paged['q']):5d} {len(q_lens):4d} {max(kv_lens):7d} "
