@@ -14,7 +14,7 @@ def hf_matrices(params, config):
     if "lm_head" in params:
         out["output.weight"] = np.asarray(params["lm_head"], np.float32).T
     for i, layer in enumerate(params["layers"]):
-        g = lambda k: np.asarray(layer[k], np.float32)
+        g = lambda k, layer=layer: np.asarray(layer[k], np.float32)
         out.update({
             f"blk.{i}.attn_norm.weight": g("attn_norm"),
             f"blk.{i}.attn_q.weight": g("wq").reshape(e, -1).T,

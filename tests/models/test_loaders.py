@@ -92,7 +92,7 @@ def test_hf_sharded_folder_with_qwen2_bias(tmp_path):
                "lm_head.weight": np.asarray(params["lm_head"]).T}
     for i, layer in enumerate(params["layers"]):
         p = f"model.layers.{i}."
-        g = lambda k: np.asarray(layer[k])
+        g = lambda k, layer=layer: np.asarray(layer[k])
         tensors.update({
             p + "input_layernorm.weight": g("attn_norm"), p + "post_attention_layernorm.weight": g("mlp_norm"),
             p + "self_attn.q_proj.weight": g("wq").reshape(e, -1).T, p + "self_attn.k_proj.weight": g("wk").reshape(e, -1).T,
