@@ -69,33 +69,39 @@ class KVCacheManager:
         start the table; they count as computed tokens ahead of `request.num_computed_tokens`.
         Returns the newly allocated block ids, or None (changing nothing) when the pool is short.
         """
-        computed = computed_block_ids or []
-        table = self.block_tables.get(request.req_id)
-        is_new = table is None
-        if is_new:
-            table = []
-        elif computed:
-            raise ValueError(f"allocate_slots: {request.req_id!r} is admitted; no prefix hits now")
         bs = self.block_size
+        table = self.block_tables.get(request.req_id)
+        if table is not None:  # an admitted request growing: the per-step hot path
+            if computed_block_ids:
+                raise ValueError(
+                    f"allocate_slots: {request.req_id!r} is admitted; no prefix hits now"
+                )
+            num_new_blocks = -(-(request.num_computed_tokens + num_new_tokens) // bs) - len(table)
+            if num_new_blocks <= 0:
+                return []
+            if num_new_blocks > self.pool.num_available_blocks:
+                return None
+            new_block_ids = self.pool.allocate(num_new_blocks)
+            table.extend(new_block_ids)
+            return new_block_ids
+
+        # Admission: prefix hits start the table; contiguous allocation reserves a whole sequence.
+        computed = computed_block_ids or []
         num_tokens = request.num_computed_tokens + len(computed) * bs + num_new_tokens
-        num_required = max(-(-num_tokens // bs), self.num_reserved_blocks if is_new else 0)
-        num_new_blocks = max(num_required - len(table) - len(computed), 0)
+        num_required = max(-(-num_tokens // bs), self.num_reserved_blocks)
+        num_new_blocks = max(num_required - len(computed), 0)
         # Hits on ref-0 blocks take them out of the evictable set, so they do not count as room.
         ref_cnt = self.pool.ref_cnt
         num_hits_cached = sum(1 for block_id in computed if ref_cnt[block_id] == 0)
         if num_new_blocks > self.pool.num_available_blocks - num_hits_cached:
             return None
-        if computed:
-            self.pool.touch(computed)
-            table.extend(computed)
+        self.pool.touch(computed)
         new_block_ids = self.pool.allocate(num_new_blocks) if num_new_blocks else []
-        table.extend(new_block_ids)
-        if is_new:
-            self.block_tables[request.req_id] = table
-            self._num_registered[request.req_id] = len(computed)
-            if self.enable_prefix_caching:
-                self.prefix_cache_queries += request.num_tokens
-                self.prefix_cache_hits += len(computed) * bs
+        self.block_tables[request.req_id] = computed + new_block_ids
+        self._num_registered[request.req_id] = len(computed)
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += len(computed) * bs
         return new_block_ids
 
     def cache_full_blocks(self, request: Request) -> None:

@@ -131,7 +131,13 @@ class Scheduler:
         for request in list(self.running.values()):
             if request.status is not RUNNING:
                 continue  # preempted earlier in this loop
-            if request.num_tokens - request.num_computed_tokens == 1:
+            # num_tokens - num_computed_tokens, spelled out: this loop is the hot path.
+            num_new = (
+                len(request.prompt_token_ids)
+                + len(request.output_token_ids)
+                - request.num_computed_tokens
+            )
+            if num_new == 1:
                 if plan.budget >= 1:
                     self._schedule_running(request, 1, plan)
             else:
@@ -223,13 +229,14 @@ class Scheduler:
     def _add_to_plan(self, request: Request, num_new: int, plan: _StepPlan) -> None:
         start = request.num_computed_tokens
         end = start + num_new
-        plan.scheduled[request.req_id] = ScheduledRequest(
-            req_id=request.req_id,
-            token_ids=request.token_slice(start, end),
-            num_computed_tokens=start,
-            num_scheduled_tokens=num_new,
-            block_ids=list(self.kv_cache_manager.block_tables[request.req_id]),
-            sample=end == request.num_tokens,
+        req_id = request.req_id
+        plan.scheduled[req_id] = ScheduledRequest(  # positional: this runs once per request
+            req_id,  # req_id
+            request.token_slice(start, end),  # token_ids
+            start,  # num_computed_tokens
+            num_new,  # num_scheduled_tokens
+            self.kv_cache_manager.block_tables[req_id],  # block_ids: the live table, no copy
+            end == len(request.prompt_token_ids) + len(request.output_token_ids),  # sample
         )
         plan.budget -= num_new
 
