@@ -21,7 +21,8 @@ One step, in order (DESIGN.md sections 2-3):
     sampled tokens are appended, finishes are decided (EOS unless ignored, stop token, max_tokens,
     max_model_len), newly full blocks enter the prefix cache, and finished requests free blocks.
 
-Both methods cost O(scheduled requests), plus O(running) only on preemption under "priority".
+schedule() costs O(running + admitted) and update() O(scheduled); under "priority" each preemption
+adds an O(running) scan for the victim.
 """
 
 from __future__ import annotations
@@ -189,15 +190,15 @@ class Scheduler:
             request = self.waiting.peek()
             if request.req_id in plan.preempted:
                 return  # preempted in this step: it must not be scheduled in it
-            if len(self.running) >= config.max_num_seqs and not self._preempt_for(request, plan):
-                return
-            computed = kv.get_computed_blocks(request)
+            computed = kv.get_computed_blocks(request)  # takes no references yet
             num_computed = len(computed) * block_size
             num_new = request.num_tokens - num_computed
             if num_new > plan.budget:
                 if not config.enable_chunked_prefill:
                     return  # the prompt waits for a step with room, and so does the queue
                 num_new = plan.budget
+            if len(self.running) >= config.max_num_seqs and not self._preempt_for(request, plan):
+                return
             if kv.allocate_slots(request, num_new, computed) is None:
                 if self._preempt_for(request, plan):
                     continue  # blocks were freed; look the prefix up again
