@@ -82,7 +82,9 @@ def _tpu_kernel(
         for copy in page_copies(lo, 0):
             copy.start()
 
-    row_pos = first_pos + lax.broadcasted_iota(jnp.int32, (rows, block_size), 0) // group
+    # Row r is query token r // G. With x = kv_pos - first_pos (an integer), "x <= r // G" is
+    # "x * G <= r" and "x > r // G - W" is "(x + W) * G > r": no vector integer division.
+    row = lax.broadcasted_iota(jnp.int32, (rows, block_size), 0)
     col = lax.broadcasted_iota(jnp.int32, (rows, block_size), 1)
 
     def body(j, carry):
@@ -97,9 +99,10 @@ def _tpu_kernel(
             copy.wait()
 
         kv_pos = j * block_size + col  # [R, block_size]
-        mask = (kv_pos <= row_pos) & (kv_pos < kv_end)
+        x = kv_pos - first_pos
+        mask = (x * group <= row) & (kv_pos < kv_end)
         if sliding_window is not None:
-            mask &= kv_pos > row_pos - sliding_window
+            mask &= (x + sliding_window) * group > row
         for h in range(num_kv_heads):
             q = q_ref[h]  # [R, D]
             k = k_buf[slot, :, h, :]  # [block_size, D]
