@@ -92,7 +92,8 @@ class LLMEngine:
         self.shapes = RunnerShapes(
             token_buckets=resolve_token_buckets(config), seq_buckets=resolve_seq_buckets(config),
             max_blocks_per_seq=max_blocks_per_seq, num_blocks=num_blocks, block_size=bs,
-            history_len=self.max_model_len, num_logprobs=config.max_logprobs)
+            history_len=self.max_model_len, num_logprobs=config.max_logprobs,
+            sample_vocab_size=min(loaded.config.vocab_size, loaded.tokenizer.vocab_size))
         start = time.perf_counter()
         self.runner = ModelRunner(loaded.config, loaded.params, self.shapes, dtype=self.dtype,
                                   attention_backend=backend, interpret=config.interpret,
@@ -115,7 +116,7 @@ class LLMEngine:
             ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         elif isinstance(prompt, list | tuple):
             ids = list(prompt)
-            vocab = self.model_config.vocab_size
+            vocab = self.shapes.sample_vocab_size
             for t in ids:
                 if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                     raise ValueError(f"prompt: token id {t!r} is not an integer in [0, {vocab})")

@@ -52,6 +52,7 @@ class RunnerShapes:
     block_size: int
     history_len: int  # penalty history per row (max_model_len)
     num_logprobs: int  # top logprobs computed per row when asked
+    sample_vocab_size: int  # ids the tokenizer knows: logits past it are never sampled
 
     def bucket_for(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
         """The smallest (T, S) pair that fits; S follows T (see `pairs`)."""
@@ -85,9 +86,10 @@ class ModelRunner:
         self.builder = BatchBuilder(
             max_tokens=shapes.token_buckets[-1], max_seqs=shapes.seq_buckets[-1],
             max_blocks_per_seq=shapes.max_blocks_per_seq, block_size=shapes.block_size,
-            history_len=shapes.history_len, vocab_size=model_config.vocab_size)
+            history_len=shapes.history_len, vocab_size=shapes.sample_vocab_size)
         step = functools.partial(_step, config=model_config, attention_backend=attention_backend,
-                                 interpret=interpret, num_logprobs=shapes.num_logprobs)
+                                 interpret=interpret, num_logprobs=shapes.num_logprobs,
+                                 sample_vocab_size=shapes.sample_vocab_size)
         self._jitted = jax.jit(step, donate_argnums=(1,))
         self._compiled: dict[tuple[int, int], object] = {}
         self.num_compilations = 0  # buckets compiled by this runner
@@ -133,10 +135,12 @@ class ModelRunner:
         return StepResult(req_ids, token_ids, {"logprobs": sampled_logprobs, "top_logprobs": top})
 
 
-def _step(params, kv_cache, inputs: StepInputs, *, config, attention_backend, interpret, num_logprobs):
+def _step(params, kv_cache, inputs: StepInputs, *, config, attention_backend, interpret, num_logprobs,
+          sample_vocab_size):
     kv_cache, logits = forward_paged(params, config, kv_cache, inputs,
                                      attention_backend=attention_backend, interpret=interpret)
-    return kv_cache, sample(logits, inputs, num_logprobs=num_logprobs)
+    # A checkpoint may pad its vocabulary past the tokenizer's: those ids are never sampled.
+    return kv_cache, sample(logits[:, :sample_vocab_size], inputs, num_logprobs=num_logprobs)
 
 
 def _abstract_inputs(t: int, s: int, shapes: RunnerShapes) -> StepInputs:
