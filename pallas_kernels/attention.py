@@ -8,6 +8,8 @@ are padding and get zeros. The output is [T, Hq, D] in q.dtype.
 """
 
 from pallas_kernels import validation
+from pallas_kernels.gpu import ragged_paged_attention_gpu
+from pallas_kernels.tpu import ragged_paged_attention_tpu
 from pallas_kernels.xla import ragged_paged_attention_xla
 
 
@@ -37,9 +39,5 @@ def ragged_paged_attention(
     if backend == "xla":
         return ragged_paged_attention_xla(*args, **options)
     if backend == "pallas_gpu":
-        from pallas_kernels.gpu import ragged_paged_attention_gpu
-
         return ragged_paged_attention_gpu(*args, **options, interpret=interpret)
-    from pallas_kernels.tpu import ragged_paged_attention_tpu
-
     return ragged_paged_attention_tpu(*args, **options, interpret=interpret)
