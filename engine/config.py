@@ -98,9 +98,12 @@ class EngineConfig:
         return cls(**kwargs)
 
 
-def default_buckets(limit: int, *, smallest: int) -> tuple[int, ...]:
+def default_buckets(limit: int, *, smallest: int = 1) -> tuple[int, ...]:
     """Powers of two from `smallest`, then linear steps of the largest power below 512 (padding
-    stays a small fraction), ending exactly at `limit`."""
+    stays under half, and a small fraction past 512), ending exactly at `limit`.
+
+    Starting at 1 matters on the CPU, where a step's cost grows with its padded token count; on an
+    accelerator decode is memory-bound and a caller may start higher to compile fewer buckets."""
     buckets: list[int] = []
     b = smallest
     while b < limit and b < 512:
@@ -118,13 +121,13 @@ def default_buckets(limit: int, *, smallest: int) -> tuple[int, ...]:
 def resolve_token_buckets(config: EngineConfig) -> tuple[int, ...]:
     if config.token_buckets is not None:
         return config.token_buckets
-    return default_buckets(config.max_num_batched_tokens, smallest=min(16, config.max_num_batched_tokens))
+    return default_buckets(config.max_num_batched_tokens)
 
 
 def resolve_seq_buckets(config: EngineConfig) -> tuple[int, ...]:
     if config.seq_buckets is not None:
         return config.seq_buckets
-    return default_buckets(config.max_num_seqs, smallest=min(4, config.max_num_seqs))
+    return default_buckets(config.max_num_seqs)
 
 
 def resolve_dtype(config: EngineConfig, platform: str) -> str:

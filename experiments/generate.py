@@ -23,7 +23,7 @@ def main(argv) -> None:
 
     start = time.perf_counter()
     llm = LLM(_MODEL.value, max_num_seqs=1, max_num_batched_tokens=256, max_model_len=2048,
-              token_buckets=(16, 256), seq_buckets=(1,))
+              token_buckets=(1, 256), seq_buckets=(1,))
     ready = time.perf_counter()
     messages = [{"role": "user", "content": _PROMPT.value}]
     if _SYSTEM.value:
