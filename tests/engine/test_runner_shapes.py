@@ -1,0 +1,58 @@
+"""The runner's fixed shapes: declared buckets only, the cache donated in place, and the
+persistent compilation cache reused by a second start."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from engine.config import default_buckets
+
+
+def test_buckets_are_declared_and_a_shape_outside_is_an_error(engine):
+    shapes = engine.runner.shapes
+    assert shapes.pairs() == [(16, 8), (32, 8), (128, 8)]
+    assert set(engine.runner._compiled) == set(shapes.pairs())  # all compiled at start-up
+    assert shapes.bucket_for(3, 2) == (16, 8) and shapes.bucket_for(17, 8) == (32, 8)
+    with pytest.raises(ValueError, match="token bucket"):
+        shapes.bucket_for(129, 1)
+    with pytest.raises(ValueError, match="not a declared bucket"):
+        engine.runner._executable(64, 8)
+    assert default_buckets(256) == (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    assert default_buckets(2048)[-3:] == (1536, 1792, 2048)
+
+
+def test_kv_cache_is_donated_and_aliased_in_place(engine):
+    hlo = engine.runner._compiled[(16, 8)].as_text()
+    # Every layer's K and V pages alias an output: the scatter writes the donated buffer.
+    num_aliases = hlo.count("may-alias") + hlo.count("must-alias")
+    assert num_aliases >= 2 * engine.model_config.num_layers, hlo[:2000]
+
+
+def test_second_start_reuses_the_persistent_compilation_cache(tmp_path):
+    script = textwrap.dedent("""
+        import jax, sys
+        hits = [0]
+        def listen(event, **kw):
+            if event == "/jax/compilation_cache/cache_hits":
+                hits[0] += 1
+        jax.monitoring.register_event_listener(listen)
+        from engine.config import EngineConfig
+        from engine.llm_engine import LLMEngine
+        LLMEngine(EngineConfig(model="random:tiny", max_num_seqs=2, max_num_batched_tokens=16,
+                               max_model_len=64, token_buckets=(4, 16), seq_buckets=(2,),
+                               compilation_cache_dir=sys.argv[1]), progress=False)
+        print("HITS", hits[0])
+    """)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("JAXSERVE_COMPILATION_CACHE", None)
+    cache = str(tmp_path / "jax-cache")
+    runs = [subprocess.run([sys.executable, "-c", script, cache], capture_output=True, text=True,
+                           env=env, timeout=300, cwd=os.getcwd()) for _ in range(2)]
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-2000:]
+    first, second = (int(r.stdout.split("HITS")[-1]) for r in runs)
+    assert os.listdir(cache)
+    assert first == 0 and second >= 2  # both step buckets came from the cache
