@@ -30,10 +30,11 @@ from experiments import datasets, engine_replay, metrics, report
 _MODEL = flags.DEFINE_string("model", "default", "Model to serve.")
 _NUM_USERS = flags.DEFINE_integer("num_users", 8, "Requests streaming when the long prompt arrives.")
 _USER_PROMPT_LEN = flags.DEFINE_integer("user_prompt_len", 64, "Their prompt tokens.")
-_USER_OUTPUT_LEN = flags.DEFINE_integer("user_output_len", 64, "Their output tokens.")
+_USER_OUTPUT_LEN = flags.DEFINE_integer(
+    "user_output_len", 96, "Their output tokens (enough to stream through the long prefill).")
 _LONG_PROMPT_LEN = flags.DEFINE_integer("long_prompt_len", 4096, "The newcomer's prompt tokens.")
 _LONG_OUTPUT_LEN = flags.DEFINE_integer("long_output_len", 8, "The newcomer's output tokens.")
-_LONG_ARRIVAL_S = flags.DEFINE_float("long_arrival_s", 5.0, "When the newcomer arrives (s).")
+_LONG_ARRIVAL_S = flags.DEFINE_float("long_arrival_s", 3.0, "When the newcomer arrives (s).")
 _CHUNK_BUDGET = flags.DEFINE_integer("chunk_budget", 256, "Token budget with chunked prefill.")
 _SEED = flags.DEFINE_integer("seed", 0, "Prompt text.")
 _OUT_DIR = flags.DEFINE_string("out_dir", "experiments/results", "Where results go.")
