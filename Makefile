@@ -35,10 +35,10 @@ serve: setup
 # A quick concurrency sweep of the server on the default model (about 10 minutes on a 2-core CPU).
 bench: setup
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m experiments.sweep \
-	  --server_cmd="$(PY) -m engine.serve --model=default --port=8123 --max_num_seqs=16" \
+	  --server_cmd="$(PY) -m engine.serve --model=default --port=8123 --max_num_seqs=64" \
 	  --base_url=http://127.0.0.1:8123 --tag=bench \
 	  --dataset=sharegpt --max_prompt_len=256 --max_output_len=64 \
-	  --concurrencies=1,2,4,8,16 --num_prompts=8 --prompts_per_concurrency=2 \
+	  --concurrencies=1,2,4,8,16,32,64 --num_prompts=8 --prompts_per_concurrency=2 \
 	  --temperature=0 --ignore_eos --goodput="ttft:2000 itl_p95:250" --slo_itl_p95_ms=250
 
 clean:
