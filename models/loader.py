@@ -19,6 +19,11 @@ from models.default_model import default_model_path
 from models.gguf_loader import load_gguf
 from models.hf_loader import load_hf_folder
 from models.random_weights import random_params
+from models.tokenizer_snapshot import (
+    has_tokenizer_snapshot,
+    load_tokenizer_snapshot,
+    save_tokenizer_snapshot,
+)
 
 
 @dataclasses.dataclass
@@ -51,7 +56,7 @@ def load_model(spec: str = "default", *, dtype: str = "float32", seed: int = 0,
         raise FileNotFoundError(f"{path}: no such model file or folder")
     if os.path.isdir(path) and is_checkpoint(path):
         config, params, tok_source = load_checkpoint(path, dtype=dtype)
-        tok = _tokenizer_for(tokenizer or tok_source, path)
+        tok = _tokenizer_for(tokenizer, tok_source, path)
         return LoadedModel(config, params, tok, path, time.perf_counter() - start)
     if os.path.isdir(path):
         config, params = load_hf_folder(path, dtype=dtype, progress=progress)
@@ -59,21 +64,27 @@ def load_model(spec: str = "default", *, dtype: str = "float32", seed: int = 0,
         return LoadedModel(config, params, tok, path, time.perf_counter() - start)
     cached = _cache_folder(cache_dir, path, dtype) if cache_dir else None
     if cached and is_checkpoint(cached):
-        config, params, _ = load_checkpoint(cached)
-        tok = _tokenizer_for(tokenizer or path, path)
+        config, params, tok_source = load_checkpoint(cached)
+        tok = _tokenizer_for(tokenizer, tok_source, cached)
         return LoadedModel(config, params, tok, path, time.perf_counter() - start, from_cache=True)
     config, params, reader = load_gguf(path, dtype=dtype, progress=progress)
     tok = load_tokenizer(tokenizer) if tokenizer else tokenizer_from_gguf(reader, path)
     if cached:
         save_checkpoint(cached, config, params, tokenizer_source=path)
+        save_tokenizer_snapshot(tok, cached)
     return LoadedModel(config, params, tok, path, time.perf_counter() - start)
 
 
-def _tokenizer_for(source: str | None, model_path: str):
+def _tokenizer_for(explicit: str | None, source: str | None, folder: str):
+    """An explicit tokenizer path wins; then the snapshot saved in the checkpoint; then its source."""
     from models.tokenizer import load_tokenizer
 
+    if explicit:
+        return load_tokenizer(explicit)
+    if has_tokenizer_snapshot(folder):
+        return load_tokenizer_snapshot(folder)
     if not source:
-        raise ValueError(f"{model_path}: the checkpoint names no tokenizer; pass tokenizer=<path>")
+        raise ValueError(f"{folder}: the checkpoint names no tokenizer; pass tokenizer=<path>")
     return load_tokenizer(source)
 
 

@@ -226,3 +226,21 @@ def test_hf_folder_problems_are_named(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="config.json"):
         load_hf_folder(tmp_path, progress=False)
+
+
+def test_load_model_conversion_cache_round_trip(tmp_path, tiny_params):
+    from models.default_model import default_model_path
+
+    path = tmp_path / "m.gguf"
+    write_gguf(path, TINY, tiny_params)
+    cache = str(tmp_path / "cache")
+    tok_path = str(default_model_path())
+    first = load_model(str(path), cache_dir=cache, tokenizer=tok_path, progress=False)
+    second = load_model(str(path), cache_dir=cache, progress=False)  # tokenizer from the snapshot
+    assert not first.from_cache and second.from_cache
+    for key, value in _flat(first.params).items():
+        assert _flat(second.params)[key].tobytes() == value.tobytes(), key
+    text = "Hello wörld 😀 <|im_start|>user\nhi<|im_end|>"
+    a, b = first.tokenizer, second.tokenizer
+    assert a.encode(text) == b.encode(text) and b.decode(b.encode(text), skip_special_tokens=False) == text
+    assert (a.eos_token_ids, a.bos_token_id, a.chat_template) == (b.eos_token_ids, b.bos_token_id, b.chat_template)
