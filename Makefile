@@ -30,7 +30,8 @@ demo: setup
 	$(PY) -m experiments.generate --prompt="$(PROMPT)"
 
 serve: setup
-	$(PY) -m engine.serve --model=default --host=$(HOST) --port=$(PORT) $(SERVE_FLAGS)
+	$(PY) -m engine.serve --model=default --host=$(HOST) --port=$(PORT) \
+	  --weights_cache_dir=$(HOME)/.cache/jaxserve/weights $(SERVE_FLAGS)
 
 # A quick concurrency sweep of the server on the default model (about 10 minutes on a 2-core CPU).
 bench: setup

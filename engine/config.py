@@ -38,6 +38,7 @@ class EngineConfig:
     token_buckets: tuple[int, ...] | None = None  # padded token counts; None: derived
     seq_buckets: tuple[int, ...] | None = None  # padded request counts; None: derived
     compilation_cache_dir: str | None = DEFAULT_COMPILATION_CACHE  # None: off
+    weights_cache_dir: str | None = None  # keep GGUF conversions here (orbax) for fast restarts
     max_logprobs: int = 20  # most top logprobs a request may ask for
     precompile: bool = True  # compile every bucket at start-up
 

@@ -62,7 +62,8 @@ class LLMEngine:
         backend = resolve_backend(config.attention_backend, platform)
         start = time.perf_counter()
         loaded = load_model(config.model, dtype=self.dtype, seed=config.seed,
-                            tokenizer=config.tokenizer, progress=progress)
+                            tokenizer=config.tokenizer, progress=progress,
+                            cache_dir=config.weights_cache_dir)
         self.load_seconds = time.perf_counter() - start
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
