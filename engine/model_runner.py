@@ -3,8 +3,9 @@
 1. At start-up every bucket (padded tokens T, padded sequences S) is lowered against abstract
    shapes and compiled ahead of time, with a progress bar; the persistent compilation cache makes
    a restart fast. A step whose shape falls outside the buckets is an error, never a recompile.
-2. `execute(scheduler_output)` fills StepInputs from reused numpy buffers (BatchBuilder), moves them
-   to the device in one transfer, and runs the bucket's executable. The KV cache is donated, so
+2. `execute(scheduler_output)` fills the bucket's flat input buffer (BatchBuilder; every StepInputs
+   field is a view into it), moves it to the device in one transfer, and runs the bucket's
+   executable, which unpacks it into StepInputs with static offsets. The KV cache is donated, so
    each layer's new K/V is written in place by one scatter.
 3. The step returns one packed float32 array (see engine/sampler.py); one device-to-host copy
    gives every sampled id and logprob as Python numbers in a StepResult.
@@ -22,7 +23,7 @@ from tqdm.auto import tqdm
 
 from engine.kv_cache import allocate_kv_cache
 from engine.sampler import sample
-from engine.step_inputs import BatchBuilder, StepInputs
+from engine.step_inputs import BatchBuilder, StepLayout
 from models.config import ModelConfig
 from models.llama import forward_paged
 from scheduler import SchedulerOutput, StepResult
@@ -84,13 +85,11 @@ class ModelRunner:
         self.dtype = dtype
         self.kv_cache = allocate_kv_cache(model_config, shapes.num_blocks, shapes.block_size, dtype)
         self.builder = BatchBuilder(
-            max_tokens=shapes.token_buckets[-1], max_seqs=shapes.seq_buckets[-1],
             max_blocks_per_seq=shapes.max_blocks_per_seq, block_size=shapes.block_size,
             history_len=shapes.history_len, vocab_size=shapes.sample_vocab_size)
-        step = functools.partial(_step, config=model_config, attention_backend=attention_backend,
-                                 interpret=interpret, num_logprobs=shapes.num_logprobs,
-                                 sample_vocab_size=shapes.sample_vocab_size)
-        self._jitted = jax.jit(step, donate_argnums=(1,))
+        self._step = functools.partial(_step, config=model_config, attention_backend=attention_backend,
+                                       interpret=interpret, num_logprobs=shapes.num_logprobs,
+                                       sample_vocab_size=shapes.sample_vocab_size)
         self._compiled: dict[tuple[int, int], object] = {}
         self.num_compilations = 0  # buckets compiled by this runner
         self.num_padded_tokens = 0  # padding tokens fed so far (for the padding share)
@@ -108,19 +107,21 @@ class ModelRunner:
         if key not in self._compiled:
             if key not in self.shapes.pairs():
                 raise ValueError(f"shape (tokens={t}, seqs={s}) is not a declared bucket: {self.shapes.pairs()}")
-            abstract = _abstract_inputs(t, s, self.shapes)
-            self._compiled[key] = self._jitted.lower(self.params, self.kv_cache, abstract).compile()
+            layout = self.builder.layout(t, s)
+            step = jax.jit(functools.partial(self._step, layout=layout), donate_argnums=(1,))
+            flat = jax.ShapeDtypeStruct((layout.size,), np.int32)
+            self._compiled[key] = step.lower(self.params, self.kv_cache, flat).compile()
             self.num_compilations += 1
         return self._compiled[key]
 
     def execute(self, out: SchedulerOutput, row_params, histories) -> StepResult:
         num_tokens = out.num_batched_tokens
         t, s = self.shapes.bucket_for(num_tokens, len(out.scheduled))
-        inputs = self.builder.build(out, t, s, row_params, histories)
+        flat = self.builder.build(out, t, s, row_params, histories)
         self.num_real_tokens += num_tokens
         self.num_padded_tokens += t - num_tokens
-        device_inputs = jax.device_put(inputs)
-        self.kv_cache, packed = self._executable(t, s)(self.params, self.kv_cache, device_inputs)
+        executable = self._executable(t, s)
+        self.kv_cache, packed = executable(self.params, self.kv_cache, jax.device_put(flat))
         host = np.asarray(jax.device_get(packed))
         req_ids, token_ids, sampled_logprobs, top = [], [], [], []
         k = self.shapes.num_logprobs
@@ -135,24 +136,10 @@ class ModelRunner:
         return StepResult(req_ids, token_ids, {"logprobs": sampled_logprobs, "top_logprobs": top})
 
 
-def _step(params, kv_cache, inputs: StepInputs, *, config, attention_backend, interpret, num_logprobs,
-          sample_vocab_size):
+def _step(params, kv_cache, flat, *, layout: StepLayout, config, attention_backend, interpret,
+          num_logprobs, sample_vocab_size):
+    inputs = layout.unpack(flat)
     kv_cache, logits = forward_paged(params, config, kv_cache, inputs,
                                      attention_backend=attention_backend, interpret=interpret)
     # A checkpoint may pad its vocabulary past the tokenizer's: those ids are never sampled.
     return kv_cache, sample(logits[:, :sample_vocab_size], inputs, num_logprobs=num_logprobs)
-
-
-def _abstract_inputs(t: int, s: int, shapes: RunnerShapes) -> StepInputs:
-    i32, f32 = np.int32, np.float32
-    sds = jax.ShapeDtypeStruct
-    return StepInputs(
-        input_ids=sds((t,), i32), positions=sds((t,), i32), slot_mapping=sds((t,), i32),
-        query_start_loc=sds((s + 1,), i32), seq_lens=sds((s,), i32),
-        block_tables=sds((s, shapes.max_blocks_per_seq), i32), logits_indices=sds((s,), i32),
-        num_seqs=sds((), i32), temperature=sds((s,), f32), top_k=sds((s,), i32),
-        top_p=sds((s,), f32), min_p=sds((s,), f32), presence_penalty=sds((s,), f32),
-        frequency_penalty=sds((s,), f32), repetition_penalty=sds((s,), f32),
-        rng_seeds=sds((s,), np.uint32), rng_steps=sds((s,), i32),
-        penalty_tokens=sds((s, shapes.history_len), i32), flags=sds((4,), i32),
-    )

@@ -1,15 +1,19 @@
 """StepInputs: everything one compiled step reads, as one pytree, and the batch builder that fills it.
 
-Shapes are padded to a bucket: T tokens, S sequences (DESIGN.md section 5). The builder owns numpy
-buffers allocated once at the largest bucket; each step fills a prefix of them and sends views of
-the bucket's size to the device in one transfer.
+Shapes are padded to a bucket: T tokens, S sequences (DESIGN.md section 5). On the host every field
+is a view into ONE flat int32 buffer per bucket (float32 and uint32 fields are bit-cast views), so
+a step moves all of its inputs to the device in one transfer; inside the compiled step
+`StepLayout.unpack` slices the flat array back into StepInputs with static offsets. Buffers are
+allocated once per bucket and refilled every step.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from scheduler import SchedulerOutput
@@ -35,8 +39,55 @@ class StepInputs:
     repetition_penalty: jax.Array  # float32[S] 1 = off
     rng_seeds: jax.Array  # uint32[S] per-request seed (a request's tokens depend on it only)
     rng_steps: jax.Array  # int32[S] the request's output index: the key is fold_in(seed, step)
-    penalty_tokens: jax.Array  # int32[S, H] output ids, prompt ids + vocab_size, -1 = none (H = max_model_len)
+    penalty_tokens: jax.Array  # int32[S, H] output ids, prompt ids + vocab, -1 = none (H = max_model_len)
     flags: jax.Array  # int32[4] any row: [samples randomly, uses a filter, uses a penalty, wants logprobs]
+
+
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty")
+
+
+class StepLayout:
+    """Where each StepInputs field of one bucket lives in the flat int32 buffer."""
+
+    def __init__(self, padded_tokens: int, padded_seqs: int, max_blocks_per_seq: int, history_len: int):
+        t, s = padded_tokens, padded_seqs
+        shapes = {
+            "input_ids": (t,), "positions": (t,), "slot_mapping": (t,), "query_start_loc": (s + 1,),
+            "seq_lens": (s,), "block_tables": (s, max_blocks_per_seq), "logits_indices": (s,),
+            "num_seqs": (), "top_k": (s,), "rng_seeds": (s,), "rng_steps": (s,),
+            "penalty_tokens": (s, history_len), "flags": (4,), **dict.fromkeys(_FLOAT_FIELDS, (s,)),
+        }
+        self.slices: dict[str, tuple[int, int, tuple[int, ...]]] = {}
+        offset = 0
+        for name, shape in shapes.items():
+            size = math.prod(shape)
+            self.slices[name] = (offset, offset + size, shape)
+            offset += size
+        self.size = offset
+        self.buffer = np.zeros(offset, np.int32)
+        self.views = {name: self._view(name) for name in shapes}
+
+    def _view(self, name: str) -> np.ndarray:
+        start, end, shape = self.slices[name]
+        flat = self.buffer[start:end]
+        if name in _FLOAT_FIELDS:
+            flat = flat.view(np.float32)
+        elif name == "rng_seeds":
+            flat = flat.view(np.uint32)
+        return flat.reshape(shape)
+
+    def unpack(self, flat: jax.Array) -> StepInputs:
+        """Inside the compiled step: the flat int32[size] array back into StepInputs."""
+        fields = {}
+        for name, (start, end, shape) in self.slices.items():
+            x = flat[start:end].reshape(shape)
+            if name in _FLOAT_FIELDS:
+                x = jax.lax.bitcast_convert_type(x, jnp.float32)
+            elif name == "rng_seeds":
+                x = jax.lax.bitcast_convert_type(x, jnp.uint32)
+            fields[name] = x
+        return StepInputs(**fields)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,102 +114,75 @@ class RowParams:
 
 
 class BatchBuilder:
-    """Turns a SchedulerOutput into padded numpy arrays (buffers reused across steps)."""
+    """Turns a SchedulerOutput into the flat input buffer of its bucket."""
 
-    def __init__(self, *, max_tokens: int, max_seqs: int, max_blocks_per_seq: int,
-                 block_size: int, history_len: int, vocab_size: int):
+    def __init__(self, *, max_blocks_per_seq: int, block_size: int, history_len: int, vocab_size: int):
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.max_blocks_per_seq = max_blocks_per_seq
-        z = lambda shape, dtype=np.int32: np.zeros(shape, dtype)
-        self.input_ids, self.positions, self.slot_mapping = z(max_tokens), z(max_tokens), z(max_tokens)
-        self.query_start_loc, self.seq_lens = z(max_seqs + 1), z(max_seqs)
-        self.block_tables = z((max_seqs, max_blocks_per_seq))
-        self.logits_indices = z(max_seqs)
-        self.floats = {n: z(max_seqs, np.float32) for n in
-                       ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                        "repetition_penalty")}
-        self.top_k = z(max_seqs)
-        self.rng_seeds = z(max_seqs, np.uint32)
-        self.rng_steps = z(max_seqs)
-        self.penalty_tokens = np.full((max_seqs, history_len), -1, np.int32)
-        self._penalty_rows_dirty: set[int] = set()
+        self.history_len = history_len
+        self._layouts: dict[tuple[int, int], StepLayout] = {}
 
-    def build(self, out: SchedulerOutput, padded_tokens: int, padded_seqs: int, row_params, histories):
+    def layout(self, padded_tokens: int, padded_seqs: int) -> StepLayout:
+        key = (padded_tokens, padded_seqs)
+        if key not in self._layouts:
+            self._layouts[key] = StepLayout(padded_tokens, padded_seqs, self.max_blocks_per_seq,
+                                            self.history_len)
+        return self._layouts[key]
+
+    def build(self, out: SchedulerOutput, padded_tokens: int, padded_seqs: int, row_params,
+              histories) -> np.ndarray:
         """row_params(req_id) -> RowParams; histories(req_id) -> (prompt ids, output ids).
 
-        Returns numpy StepInputs of the bucket's shape."""
+        Returns the bucket's flat int32 buffer, every field written (padding included)."""
+        layout = self.layout(padded_tokens, padded_seqs)
+        v = layout.views
+        num_seqs = len(out.scheduled)
+        if out.num_batched_tokens > padded_tokens or num_seqs > padded_seqs:
+            raise ValueError(f"step of {out.num_batched_tokens} tokens / {num_seqs} seqs exceeds "
+                             f"bucket ({padded_tokens}, {padded_seqs})")
+        layout.buffer.fill(0)  # padding: token 0 at position 0 in the null block's slots, rows empty
+        v["penalty_tokens"].fill(-1)
+        v["top_p"].fill(1.0)
+        v["repetition_penalty"].fill(1.0)
         bs = self.block_size
         pos = 0
-        num_seqs = len(out.scheduled)
         any_random = any_filter = any_penalty = any_logprobs = False
-        for i in self._penalty_rows_dirty:
-            self.penalty_tokens[i].fill(-1)
-        self._penalty_rows_dirty.clear()
         for row, sr in enumerate(out.scheduled):
             n = sr.num_scheduled_tokens
             start = sr.num_computed_tokens
             end = pos + n
-            self.input_ids[pos:end] = sr.token_ids
+            v["input_ids"][pos:end] = sr.token_ids
             positions = np.arange(start, start + n, dtype=np.int32)
-            self.positions[pos:end] = positions
+            v["positions"][pos:end] = positions
             table = np.asarray(sr.block_ids, np.int32)
-            self.slot_mapping[pos:end] = table[positions // bs] * bs + positions % bs
-            self.block_tables[row, : len(table)] = table
-            self.block_tables[row, len(table):] = 0
-            self.query_start_loc[row + 1] = end
-            self.seq_lens[row] = start + n
-            self.logits_indices[row] = end - 1
+            v["slot_mapping"][pos:end] = table[positions // bs] * bs + positions % bs
+            v["block_tables"][row, : len(table)] = table
+            v["query_start_loc"][row + 1] = end
+            v["seq_lens"][row] = start + n
+            v["logits_indices"][row] = end - 1
             p = row_params(sr.req_id)
-            for name, values in self.floats.items():
-                values[row] = getattr(p, name)
-            self.top_k[row] = p.top_k
-            self.rng_seeds[row] = p.seed
+            for name in _FLOAT_FIELDS:
+                v[name][row] = getattr(p, name)
+            v["top_k"][row] = p.top_k
+            v["rng_seeds"][row] = p.seed
             prompt, output = histories(sr.req_id)
-            self.rng_steps[row] = len(output)
+            v["rng_steps"][row] = len(output)
             any_random |= p.temperature > 0
-            any_logprobs |= p.logprobs
             any_filter |= p.temperature > 0 and p.uses_filter
+            any_logprobs |= p.logprobs
             if p.uses_penalty:
                 any_penalty = True
-                self._fill_history(row, prompt, output)
+                self._fill_history(v["penalty_tokens"][row], prompt, output)
             pos = end
-        if pos > padded_tokens or num_seqs > padded_seqs:
-            raise ValueError(f"step of {pos} tokens / {num_seqs} seqs exceeds bucket ({padded_tokens}, {padded_seqs})")
-        self.input_ids[pos:padded_tokens] = 0
-        self.positions[pos:padded_tokens] = 0
-        self.slot_mapping[pos:padded_tokens] = 0  # the null block: padding never writes a live block
-        self.query_start_loc[0] = 0
-        self.query_start_loc[num_seqs + 1 : padded_seqs + 1] = pos
-        self.seq_lens[num_seqs:padded_seqs] = 0
-        self.block_tables[num_seqs:padded_seqs] = 0
-        self.logits_indices[num_seqs:padded_seqs] = 0
-        for values in self.floats.values():
-            values[num_seqs:padded_seqs] = 0
-        self.floats["top_p"][num_seqs:padded_seqs] = 1
-        self.floats["repetition_penalty"][num_seqs:padded_seqs] = 1
-        self.top_k[num_seqs:padded_seqs] = 0
-        T, S = padded_tokens, padded_seqs
-        return StepInputs(
-            input_ids=self.input_ids[:T], positions=self.positions[:T],
-            slot_mapping=self.slot_mapping[:T], query_start_loc=self.query_start_loc[: S + 1],
-            seq_lens=self.seq_lens[:S], block_tables=self.block_tables[:S],
-            logits_indices=self.logits_indices[:S], num_seqs=np.int32(num_seqs),
-            temperature=self.floats["temperature"][:S], top_k=self.top_k[:S],
-            top_p=self.floats["top_p"][:S], min_p=self.floats["min_p"][:S],
-            presence_penalty=self.floats["presence_penalty"][:S],
-            frequency_penalty=self.floats["frequency_penalty"][:S],
-            repetition_penalty=self.floats["repetition_penalty"][:S],
-            rng_seeds=self.rng_seeds[:S], rng_steps=self.rng_steps[:S],
-            penalty_tokens=self.penalty_tokens[:S],
-            flags=np.array([any_random, any_filter, any_penalty, any_logprobs], np.int32),
-        )
+        v["query_start_loc"][num_seqs + 1 :] = pos
+        v["num_seqs"][...] = num_seqs
+        v["flags"][:] = (any_random, any_filter, any_penalty, any_logprobs)
+        return layout.buffer
 
-    def _fill_history(self, row: int, prompt: list[int], output: list[int]) -> None:
-        h = self.penalty_tokens.shape[1]
-        buf = self.penalty_tokens[row]
+    def _fill_history(self, buf: np.ndarray, prompt: list[int], output: list[int]) -> None:
+        h = buf.shape[0]
         n_out = min(len(output), h)
         buf[:n_out] = output[:n_out]
         n_prompt = min(len(prompt), h - n_out)
         buf[n_out : n_out + n_prompt] = np.asarray(prompt[:n_prompt], np.int32) + self.vocab_size
-        self._penalty_rows_dirty.add(row)
