@@ -33,7 +33,7 @@ serve: setup
 	$(PY) -m engine.serve --model=default --host=$(HOST) --port=$(PORT) \
 	  --weights_cache_dir=$(HOME)/.cache/jaxserve/weights $(SERVE_FLAGS)
 
-# A quick concurrency sweep of the server on the default model (about 10 minutes on a 2-core CPU).
+# A quick concurrency sweep of the server on the default model (a few minutes on a 2-core CPU).
 bench: setup
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m experiments.sweep \
 	  --server_cmd="$(PY) -m engine.serve --model=default --port=8123 --max_num_seqs=64" \
