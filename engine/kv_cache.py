@@ -15,8 +15,7 @@ from models.config import ModelConfig
 
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: str) -> int:
-    itemsize = jnp.dtype(dtype).itemsize
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * itemsize
+    return block_size * config.kv_bytes_per_token(jnp.dtype(dtype).itemsize)
 
 
 def num_blocks_for(

@@ -7,7 +7,6 @@ turn it into a 400 with `param` set.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
 # Bounds that keep one request from hurting the others (a huge stop list is scanned at every step).
 MAX_STOP_STRINGS = 16
@@ -104,10 +103,3 @@ def _check_float(name, value, *, low, high, low_open: bool = False) -> None:
     if value > high:
         raise ValueError(f"{name} must be <= {high}, got {value}")
 
-
-def as_stop_tuple(stop: str | Sequence[str] | None) -> tuple[str, ...]:
-    if stop is None:
-        return ()
-    if isinstance(stop, str):
-        return (stop,)
-    return tuple(stop)

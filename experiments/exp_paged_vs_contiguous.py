@@ -78,8 +78,7 @@ def kv_bytes_per_token() -> int:
     """float32 K and V of every layer of the default model (SmolLM2-135M), for scale."""
     from models.config import preset_config
 
-    c = preset_config("smollm2-135m")
-    return c.num_layers * 2 * c.num_kv_heads * c.head_dim * 4
+    return preset_config("smollm2-135m").kv_bytes_per_token(itemsize=4)
 
 
 def plot(arms: dict, title: str):

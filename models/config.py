@@ -79,10 +79,9 @@ class ModelConfig:
         embed = self.vocab_size * e * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * layer + embed + e
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """K and V of one token over all layers, in float32 units (multiply by itemsize / 4)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
+    def kv_bytes_per_token(self, itemsize: int = 4) -> int:
+        """Bytes of K and V of one token over all layers, at `itemsize` bytes per value."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
 
     @classmethod
     def from_hf_config(cls, config: dict, name: str = "hf") -> ModelConfig:
