@@ -7,7 +7,15 @@ The walkthrough of one step is at the top of `scheduler/scheduler.py`.
 from scheduler.block_pool import BlockPool
 from scheduler.config import SchedulerConfig
 from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.outputs import KVWaste, ScheduledRequest, SchedulerOutput, SchedulerStats, StepResult
+from scheduler.outputs import (
+    KVWaste,
+    NewRequestData,
+    ScheduledRequest,
+    SchedulerOutput,
+    SchedulerStats,
+    StepResult,
+    TokenLogprobs,
+)
 from scheduler.request import FinishReason, Request, RequestStatus
 from scheduler.scheduler import Scheduler
 
@@ -16,6 +24,7 @@ __all__ = [
     "FinishReason",
     "KVCacheManager",
     "KVWaste",
+    "NewRequestData",
     "Request",
     "RequestStatus",
     "ScheduledRequest",
@@ -24,4 +33,5 @@ __all__ = [
     "SchedulerOutput",
     "SchedulerStats",
     "StepResult",
+    "TokenLogprobs",
 ]

@@ -23,9 +23,32 @@ class ScheduledRequest:
     # resumed after preemption (num_computed_tokens restarts at 0 or at its prefix-cache hit)
     # gets a new table.
     block_ids: list[int]
-    # True when this step covers the request's last known token, so the engine samples the next
-    # token from the last position's logits; False for a prefill chunk that is not the last.
-    sample: bool
+    # How many of this row's last positions are sampled: 0 for a prefill chunk that is not the
+    # last, 1 when the chunk reaches the request's last known token (a decode, a final prefill
+    # chunk), 1 + k when the row carries k draft tokens to verify (speculative decoding).
+    num_logits: int
+
+    @property
+    def sample(self) -> bool:
+        """True when the step samples at least one token for this row."""
+        return self.num_logits > 0
+
+
+@dataclasses.dataclass(slots=True)
+class NewRequestData:
+    """A request that (re)joined the running batch in this step, for the runner's request table.
+
+    Sent once per admission (a preempted request is sent again when it resumes), so the runner
+    keeps per-request state and never reads the scheduler's Request objects."""
+
+    req_id: str
+    # The prompt (the scheduler's list: read, never mutate).
+    prompt_token_ids: list[int]
+    # Tokens generated before this admission (non-empty only for a request resumed after
+    # preemption); a copy.
+    output_token_ids: list[int]
+    # Whatever the engine attached to the Request (`Request.sampling`): the scheduler never reads it.
+    sampling: object
 
 
 @dataclasses.dataclass(slots=True)
@@ -44,6 +67,9 @@ class SchedulerOutput:
     # Requests preempted by this schedule() (blocks freed; they recompute from scratch later). None
     # of them is in `scheduled`.
     preempted_req_ids: list[str]
+    # Requests admitted by this schedule() (new, or resumed after preemption), in admission order.
+    # A runner drops the finished, aborted and preempted ids above, then adds these.
+    new_requests: list[NewRequestData] = dataclasses.field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -51,13 +77,29 @@ class SchedulerOutput:
 
 
 @dataclasses.dataclass(slots=True)
+class TokenLogprobs:
+    """The log-probabilities behind one sampled token (of the raw logits, before penalties)."""
+
+    # Log-probability of the sampled token.
+    logprob: float
+    # The most likely token ids at that position, best first, and their log-probabilities.
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclasses.dataclass(slots=True)
 class StepResult:
-    # Ids of the scheduled requests with sample=True, parallel to sampled_token_ids.
+    # Ids of the scheduled requests that sampled (num_logits > 0), parallel to the lists below.
     req_ids: list[str]
-    # The token sampled for each of req_ids, as Python ints.
-    sampled_token_ids: list[int]
-    # Anything the engine wants to carry along (logprobs, timings); the scheduler ignores it.
-    extras: dict | None = None
+    # The tokens each request keeps from this step, in order (one for a plain decode; accepted
+    # drafts plus a bonus token under speculative decoding), as Python ints; never empty.
+    sampled_token_ids: list[list[int]]
+    # Per request, one TokenLogprobs per kept token, or None for a request that asked for none;
+    # None as a whole when no request asked.
+    logprobs: list[list[TokenLogprobs] | None] | None = None
+    # Per request, how many of its scheduled positions must be computed again (rejected draft
+    # tokens): update() rolls num_computed_tokens back by that much. None: all zero.
+    num_rejected_tokens: list[int] | None = None
 
 
 @dataclasses.dataclass(slots=True)

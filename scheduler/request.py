@@ -47,6 +47,7 @@ class Request:
         "num_cached_tokens",
         "num_preemptions",
         "block_hashes",
+        "sampling",
         "_admitted",
     )
 
@@ -60,6 +61,7 @@ class Request:
         ignore_eos: bool = False,
         priority: int = 0,
         arrival_time: float | None = None,
+        sampling: object = None,
     ) -> None:
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ValueError(f"Request.max_tokens must be a positive integer, got {max_tokens!r}")
@@ -82,6 +84,9 @@ class Request:
         self.num_cached_tokens = 0  # prefix-cache hit tokens at the first admission
         self.num_preemptions = 0
         self.block_hashes: list[int] = []
+        # The engine's per-request sampling state, handed to the runner in NewRequestData; the
+        # scheduler never reads it.
+        self.sampling = sampling
         self._admitted = False
 
     @property

@@ -29,7 +29,14 @@ from __future__ import annotations
 
 from scheduler.config import SchedulerConfig
 from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.outputs import KVWaste, ScheduledRequest, SchedulerOutput, SchedulerStats, StepResult
+from scheduler.outputs import (
+    KVWaste,
+    NewRequestData,
+    ScheduledRequest,
+    SchedulerOutput,
+    SchedulerStats,
+    StepResult,
+)
 from scheduler.queues import FCFSQueue, PriorityQueue
 from scheduler.request import FinishReason, Request, RequestStatus
 
@@ -39,12 +46,13 @@ RUNNING = RequestStatus.RUNNING
 class _StepPlan:
     """What one schedule() call has decided so far."""
 
-    __slots__ = ("budget", "scheduled", "preempted")
+    __slots__ = ("budget", "scheduled", "preempted", "admitted")
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
         self.scheduled: dict[str, ScheduledRequest] = {}  # insertion order is the output order
         self.preempted: dict[str, None] = {}
+        self.admitted: list[Request] = []  # started running in this step (new or resumed)
 
 
 class Scheduler:
@@ -125,7 +133,7 @@ class Scheduler:
         config = self.config
         plan = _StepPlan(config.max_num_batched_tokens)
         if config.policy == "static" and not self.running:
-            self._admit_static_batch()
+            self._admit_static_batch(plan)
 
         # Steps 2-3: decodes, then unfinished prefills; a snapshot, as preemption edits `running`.
         prefilling: list[Request] = []
@@ -167,6 +175,11 @@ class Scheduler:
             finished_req_ids=self._finished_req_ids,
             aborted_req_ids=self._aborted_req_ids,
             preempted_req_ids=list(plan.preempted),
+            new_requests=[
+                NewRequestData(r.req_id, r.prompt_token_ids, list(r.output_token_ids), r.sampling)
+                for r in plan.admitted
+                if r.status is RUNNING  # a static-batch member may be preempted before it runs
+            ],
         )
         self._finished_req_ids, self._aborted_req_ids = [], []
         self._pending = {rid: self.running[rid] for rid in plan.scheduled}
@@ -205,9 +218,10 @@ class Scheduler:
                 return
             self.waiting.pop()
             self._start_running(request, num_computed)
+            plan.admitted.append(request)
             self._add_to_plan(request, num_new, plan)
 
-    def _admit_static_batch(self) -> None:
+    def _admit_static_batch(self, plan: _StepPlan) -> None:
         """Static baseline: admit up to max_num_seqs waiting requests whose prompts fit now."""
         kv = self.kv_cache_manager
         while self.waiting and len(self.running) < self.config.max_num_seqs:
@@ -218,6 +232,7 @@ class Scheduler:
                 return
             self.waiting.pop()
             self._start_running(request, num_computed)
+            plan.admitted.append(request)
 
     def _start_running(self, request: Request, num_computed: int) -> None:
         request.num_computed_tokens = num_computed
@@ -237,7 +252,8 @@ class Scheduler:
             start,  # num_computed_tokens
             num_new,  # num_scheduled_tokens
             self.kv_cache_manager.block_tables[req_id],  # block_ids: the live table, no copy
-            end == len(request.prompt_token_ids) + len(request.output_token_ids),  # sample
+            # num_logits: sample once the chunk reaches the last known token
+            1 if end == len(request.prompt_token_ids) + len(request.output_token_ids) else 0,
         )
         plan.budget -= num_new
 
@@ -276,57 +292,110 @@ class Scheduler:
     # -- update ------------------------------------------------------------------------------
 
     def update(self, scheduler_output: SchedulerOutput, step_result: StepResult) -> list[Request]:
-        """Apply one step's results; returns the requests that finished in it (finish_reason set)."""
+        """Apply one step's results; returns the requests that finished in it (finish_reason set).
+
+        Each sampling row appends its tokens in order and stops at the first that finishes the
+        request (EOS, stop token, max_tokens, max_model_len); the rest are dropped. Rejected draft
+        positions (`num_rejected_tokens`) roll `num_computed_tokens` back, so they run again."""
         pending = self._pending
         if pending is None or scheduler_output.step_id != self._num_steps:
             raise ValueError(
                 "Scheduler.update() takes the SchedulerOutput of the latest schedule(), once "
                 f"(got step {scheduler_output.step_id}, latest is {self._num_steps})"
             )
-        if len(step_result.req_ids) != len(step_result.sampled_token_ids):
-            raise ValueError(
-                f"StepResult.req_ids ({len(step_result.req_ids)}) and sampled_token_ids "
-                f"({len(step_result.sampled_token_ids)}) must be parallel lists"
-            )
-        sampled = dict(zip(step_result.req_ids, step_result.sampled_token_ids))
-        # Check before changing anything, so a bad StepResult leaves the scheduler as it was.
-        missing = [
-            sr.req_id
-            for sr in scheduler_output.scheduled
-            if sr.sample and sr.req_id not in sampled and pending[sr.req_id].status is RUNNING
-        ]
-        if missing:
-            raise ValueError(
-                f"StepResult has no sampled token for {missing}, scheduled with sample=True"
-            )
+        sampled, rejected = self._check_result(scheduler_output, step_result, pending)
         self._pending = None
         kv = self.kv_cache_manager
-        max_model_len = self.config.max_model_len
         finished: list[Request] = []
         for sr in scheduler_output.scheduled:
             request = pending[sr.req_id]
             if request.status is not RUNNING:
                 continue  # aborted or finished by the engine between schedule() and update()
-            request.num_computed_tokens += sr.num_scheduled_tokens
             reason = None
-            if sr.sample:
-                token = sampled[sr.req_id]
-                request.output_token_ids.append(token)
-                if (token == request.eos_token_id and not request.ignore_eos) or (
-                    token in request.stop_token_set
-                ):
-                    reason = FinishReason.STOP
-                elif (
-                    len(request.output_token_ids) >= request.max_tokens
-                    or request.num_tokens >= max_model_len
-                ):
-                    reason = FinishReason.LENGTH
+            if sr.num_logits:
+                num_back = rejected.get(sr.req_id, 0) if rejected else 0
+                request.num_computed_tokens += sr.num_scheduled_tokens - num_back
+                tokens = sampled[sr.req_id]
+                if len(tokens) == 1:  # the common case, spelled out: this loop is the hot path
+                    request.output_token_ids.append(tokens[0])
+                    reason = self._finish_reason(request, tokens[0])
+                else:
+                    for token in tokens:
+                        request.output_token_ids.append(token)
+                        reason = self._finish_reason(request, token)
+                        if reason is not None:
+                            break
+                    # Drafts past a stop were computed but are not tokens of the request.
+                    request.num_computed_tokens = min(
+                        request.num_computed_tokens, request.num_tokens - 1
+                    )
+            else:
+                request.num_computed_tokens += sr.num_scheduled_tokens
             # Cache before freeing, so a finished request's full blocks stay reusable.
             kv.cache_full_blocks(request)
             if reason is not None:
                 self._finish(sr.req_id, RequestStatus.FINISHED, reason)
                 finished.append(request)
         return finished
+
+    def _finish_reason(self, request: Request, token: int) -> FinishReason | None:
+        if (token == request.eos_token_id and not request.ignore_eos) or (
+            token in request.stop_token_set
+        ):
+            return FinishReason.STOP
+        if (
+            len(request.output_token_ids) >= request.max_tokens
+            or request.num_tokens >= self.config.max_model_len
+        ):
+            return FinishReason.LENGTH
+        return None
+
+    def _check_result(self, output: SchedulerOutput, result: StepResult, pending):
+        """Validates a StepResult against its output before anything changes, so a bad result
+        leaves the scheduler as it was. Returns ({req_id: tokens}, {req_id: rejected} or None)."""
+        n = len(result.req_ids)
+        if len(result.sampled_token_ids) != n or (
+            result.num_rejected_tokens is not None and len(result.num_rejected_tokens) != n
+        ):
+            raise ValueError(
+                f"StepResult.req_ids ({n}), sampled_token_ids ({len(result.sampled_token_ids)}) "
+                "and num_rejected_tokens must be parallel lists"
+            )
+        sampled = dict(zip(result.req_ids, result.sampled_token_ids))
+        rejected = (
+            dict(zip(result.req_ids, result.num_rejected_tokens))
+            if result.num_rejected_tokens is not None
+            else None
+        )
+        missing, bad = [], []
+        for sr in output.scheduled:
+            if not sr.num_logits or pending[sr.req_id].status is not RUNNING:
+                continue
+            tokens = sampled.get(sr.req_id)
+            if tokens is None:
+                missing.append(sr.req_id)
+            elif not 1 <= len(tokens) <= sr.num_logits or (
+                rejected is not None
+                and not 0 <= rejected[sr.req_id] < min(sr.num_scheduled_tokens, sr.num_logits)
+            ):
+                bad.append(sr.req_id)
+        if missing:
+            raise ValueError(
+                f"StepResult has no sampled token for {missing}, scheduled with num_logits > 0"
+            )
+        if bad:
+            raise ValueError(
+                f"StepResult for {bad}: each row keeps 1..num_logits tokens and rejects fewer "
+                "positions than it sampled"
+            )
+        return sampled, rejected
+
+    def discard_step(self, scheduler_output: SchedulerOutput) -> None:
+        """Forget a step whose results will never come (the runner failed): nothing advances, and
+        the scheduled requests keep their blocks, so the next schedule() runs them again (or the
+        engine finishes them). Idempotent; the output must be the latest one."""
+        if scheduler_output.step_id == self._num_steps:
+            self._pending = None
 
     # -- statistics --------------------------------------------------------------------------
 

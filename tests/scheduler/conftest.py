@@ -28,7 +28,7 @@ def _fake_step(
 ) -> tuple[SchedulerOutput, list]:
     output = scheduler.schedule()
     samples = [sr for sr in output.scheduled if sr.sample]
-    result = StepResult([sr.req_id for sr in samples], [token_of(sr) for sr in samples])
+    result = StepResult([sr.req_id for sr in samples], [[token_of(sr)] for sr in samples])
     return output, scheduler.update(output, result)
 
 

@@ -40,7 +40,7 @@ class FakePagedModel:
                 n = sr.num_computed_tokens + sr.num_scheduled_tokens
                 seq = [self.slots[self._slot(sr.block_ids, p)] for p in range(n)]
                 req_ids.append(sr.req_id)
-                tokens.append(next_token(seq))
+                tokens.append([next_token(seq)])
         return StepResult(req_ids, tokens)
 
 

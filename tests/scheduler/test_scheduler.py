@@ -197,7 +197,7 @@ def test_abort_of_a_waiting_request_and_between_schedule_and_update(fake_step, c
     assert [r.req_id for r in out.scheduled] == ["a"]
     assert s.abort_request("queued") and s.stats.num_waiting == 0
     assert s.abort_request("a")  # the step is in flight
-    assert s.update(out, StepResult(["a"], [5])) == []
+    assert s.update(out, StepResult(["a"], [[5]])) == []
     check_invariants(s)
     assert s.get_request("a") is None and s.kv_cache_manager.pool.num_used_blocks == 0
 
@@ -282,7 +282,7 @@ def test_schedule_and_update_must_alternate():
     with pytest.raises(ValueError, match="no sampled token"):
         s.update(out, StepResult([], []))
     assert s.get_request("a").num_computed_tokens == 0  # the bad result changed nothing
-    assert s.update(out, StepResult(["a"], [1])) == []
+    assert s.update(out, StepResult(["a"], [[1]])) == []
     with pytest.raises(ValueError, match="latest schedule"):
-        s.update(out, StepResult(["a"], [1]))
+        s.update(out, StepResult(["a"], [[1]]))
     assert s.get_request("a").output_token_ids == [1]
