@@ -40,7 +40,7 @@ flags.DEFINE_integer("seed", 0, "Random seed.")
 
 def fake_result(output) -> StepResult:
     ids = [sr.req_id for sr in output.scheduled if sr.sample]
-    return StepResult(ids, [(hash(rid) + len(ids)) % 32000 for rid in ids])
+    return StepResult(ids, [[(hash(rid) + len(ids)) % 32000] for rid in ids])
 
 
 def new_request(rng: random.Random, req_id: str, max_tokens: int) -> Request:

@@ -54,7 +54,7 @@ def simulate(config: SchedulerConfig, lengths: Sequence[tuple[int, int]]) -> dic
     while scheduler.has_unfinished_requests():
         out = scheduler.schedule()
         ids = [sr.req_id for sr in out.scheduled if sr.sample]
-        scheduler.update(out, StepResult(ids, [_TOKEN] * len(ids)))
+        scheduler.update(out, StepResult(ids, [[_TOKEN] for _ in ids]))
         w = scheduler.kv_waste()
         allocated += w.num_allocated_slots
         token_slots += w.num_token_slots
