@@ -30,13 +30,13 @@ demo: setup
 	$(PY) -m experiments.generate --prompt="$(PROMPT)"
 
 serve: setup
-	$(PY) -m engine.serve --model=default --host=$(HOST) --port=$(PORT) \
+	$(PY) -m entrypoints.openai.serve --model=default --host=$(HOST) --port=$(PORT) \
 	  --weights_cache_dir=$(HOME)/.cache/jaxserve/weights $(SERVE_FLAGS)
 
 # A quick concurrency sweep of the server on the default model (a few minutes on a 2-core CPU).
 bench: setup
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m experiments.sweep \
-	  --server_cmd="$(PY) -m engine.serve --model=default --port=8123 --max_num_seqs=64" \
+	  --server_cmd="$(PY) -m entrypoints.openai.serve --model=default --port=8123 --max_num_seqs=64" \
 	  --base_url=http://127.0.0.1:8123 --tag=bench \
 	  --dataset=sharegpt --max_prompt_len=256 --max_output_len=64 \
 	  --concurrencies=1,2,4,8,16,32,64 --num_prompts=8 --prompts_per_concurrency=2 \

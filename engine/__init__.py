@@ -1,7 +1,8 @@
 """jaxserve's engine: `from engine import LLM, SamplingParams`.
 
 The runner (fixed-shape jitted steps over the paged cache), the sampler, LLMEngine, the offline
-LLM API, the async engine and the OpenAI-compatible server (`python -m engine.serve`).
+LLM API and the async engine. The OpenAI-compatible server is in `entrypoints/openai/`
+(`python -m entrypoints.openai.serve`).
 """
 
 from engine.config import EngineConfig

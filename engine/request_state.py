@@ -11,7 +11,7 @@ import dataclasses
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.step_inputs import RowParams
-from models.detokenizer import IncrementalDetokenizer
+from text.detokenizer import IncrementalDetokenizer
 
 
 @dataclasses.dataclass

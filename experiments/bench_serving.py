@@ -173,7 +173,7 @@ def client_config_from_flags(fv: flags.FlagValues, model: str, **overrides) -> l
 def tokenizer_from_flags(fv: flags.FlagValues) -> datasets.Tokenizer:
     if not fv.tokenizer:
         return datasets.default_tokenizer()
-    from models.tokenizer import load_tokenizer
+    from text.tokenizer import load_tokenizer
 
     return load_tokenizer(fv.tokenizer)
 

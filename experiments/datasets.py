@@ -106,7 +106,7 @@ class DatasetOptions:
 def default_tokenizer() -> Tokenizer:
     """The default model's tokenizer (imported here so the loaders work without the models)."""
     from models.default_model import default_model_path
-    from models.tokenizer import load_tokenizer
+    from text.tokenizer import load_tokenizer
 
     return load_tokenizer(default_model_path())
 

@@ -12,14 +12,14 @@ import hashlib
 import os
 import time
 
-from models.byte_tokenizer import ByteTokenizer
 from models.checkpoint import is_checkpoint, load_checkpoint, save_checkpoint
 from models.config import ModelConfig, preset_config
 from models.default_model import default_model_path
 from models.gguf_loader import load_gguf
 from models.hf_loader import load_hf_folder
 from models.random_weights import random_params
-from models.tokenizer_snapshot import (
+from text.byte_tokenizer import ByteTokenizer
+from text.tokenizer_snapshot import (
     has_tokenizer_snapshot,
     load_tokenizer_snapshot,
     save_tokenizer_snapshot,
@@ -30,7 +30,7 @@ from models.tokenizer_snapshot import (
 class LoadedModel:
     config: ModelConfig
     params: dict
-    tokenizer: object  # models.tokenizer.Tokenizer or ByteTokenizer
+    tokenizer: object  # text.tokenizer.Tokenizer or ByteTokenizer
     source: str  # what was loaded (a path, or random:<name>)
     load_seconds: float
     from_cache: bool = False  # restored from the orbax conversion cache
@@ -43,7 +43,7 @@ def resolve_model_path(spec: str) -> str:
 def load_model(spec: str = "default", *, dtype: str = "float32", seed: int = 0,
                tokenizer: str | None = None, cache_dir: str | None = None,
                progress: bool = True) -> LoadedModel:
-    from models.tokenizer import load_tokenizer, tokenizer_from_gguf
+    from text.tokenizer import load_tokenizer, tokenizer_from_gguf
 
     start = time.perf_counter()
     if spec.startswith("random:"):
@@ -77,7 +77,7 @@ def load_model(spec: str = "default", *, dtype: str = "float32", seed: int = 0,
 
 def _tokenizer_for(explicit: str | None, source: str | None, folder: str):
     """An explicit tokenizer path wins; then the snapshot saved in the checkpoint; then its source."""
-    from models.tokenizer import load_tokenizer
+    from text.tokenizer import load_tokenizer
 
     if explicit:
         return load_tokenizer(explicit)

@@ -2,7 +2,7 @@
 
 Ids 0..255 are the UTF-8 bytes; 256 is BOS and 257 is EOS when the vocabulary has room (random
 models of a real shape, e.g. `random:llama3-8b`, also take token-id prompts directly). It has the
-interface of `models.tokenizer.Tokenizer`, including a small ChatML-like chat template.
+interface of `text.tokenizer.Tokenizer`, including a small ChatML-like chat template.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@
    rendered by `apply_chat_template` usually carries its own BOS: encode it with
    `add_special_tokens=False`.
 3. `decode` turns ids back into text, dropping special (control) tokens unless asked to keep them;
-   streaming goes through `IncrementalDetokenizer` (models/detokenizer.py).
-4. `apply_chat_template` renders the checkpoint's Jinja template (models/chat_template.py).
+   streaming goes through `IncrementalDetokenizer` (text/detokenizer.py).
+4. `apply_chat_template` renders the checkpoint's Jinja template (text/chat_template.py).
 """
 
 import os
@@ -23,11 +23,11 @@ import gguf
 import sentencepiece
 import tokenizers
 
-from models.chat_template import compile_chat_template, render_chat_template, validate_messages
-from models.detokenizer import IncrementalDetokenizer
-from models.tokenizer_gguf import gguf_tokenizer_spec
-from models.tokenizer_hf import check_path, hf_tokenizer_spec
-from models.tokenizer_spec import TokenizerLoadError, TokenizerSpec
+from text.chat_template import compile_chat_template, render_chat_template, validate_messages
+from text.detokenizer import IncrementalDetokenizer
+from text.tokenizer_gguf import gguf_tokenizer_spec
+from text.tokenizer_hf import check_path, hf_tokenizer_spec
+from text.tokenizer_spec import TokenizerLoadError, TokenizerSpec
 
 __all__ = [
     "IncrementalDetokenizer",

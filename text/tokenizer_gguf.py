@@ -20,7 +20,7 @@ import sentencepiece
 import tokenizers
 from sentencepiece import sentencepiece_model_pb2
 
-from models.tokenizer_spec import END_OF_GENERATION_NAMES, TokenizerLoadError, TokenizerSpec
+from text.tokenizer_spec import END_OF_GENERATION_NAMES, TokenizerLoadError, TokenizerSpec
 
 # GGUF token types (llama.cpp's llama_token_type); SentencePiece numbers its piece types the same.
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = range(1, 7)

@@ -18,7 +18,7 @@ from typing import Any
 import sentencepiece
 import tokenizers
 
-from models.tokenizer_spec import END_OF_GENERATION_NAMES, TokenizerLoadError, TokenizerSpec
+from text.tokenizer_spec import END_OF_GENERATION_NAMES, TokenizerLoadError, TokenizerSpec
 
 _BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>")
 

@@ -14,8 +14,8 @@ import os
 import sentencepiece
 import tokenizers
 
-from models.tokenizer import Tokenizer
-from models.tokenizer_spec import TokenizerSpec
+from text.tokenizer import Tokenizer
+from text.tokenizer_spec import TokenizerSpec
 
 SNAPSHOT = "tokenizer_snapshot.json"
 _ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")

@@ -6,9 +6,9 @@ What happens to a request:
    server drains after SIGTERM, and are counted in flight; any exception becomes an OpenAI error
    body (ProtocolError -> its status, anything unexpected -> 500), so one bad request never takes
    the server down.
-2. The handler parses and validates the body (`openai_protocol`), tokenizes the prompt (through
-   the chat template for chat) and checks it against max_model_len, all on the event loop, so bad
-   input never reaches the step thread.
+2. The handler parses and validates the body (`protocol`), tokenizes the prompt (through the
+   chat template for chat) and checks it against max_model_len, all on the event loop, so bad input
+   never reaches the step thread.
 3. If the engine's waiting queue plus the adds not yet handed over would exceed max_queue_len, 503
    with Retry-After at once. Otherwise one engine request per prompt goes to the AsyncLLMEngine.
 4. Streaming: server-sent events, one chunk per choice whenever the engine produced new text,
@@ -32,14 +32,15 @@ from aiohttp import web
 
 from engine.async_engine import AsyncLLMEngine, EngineError, RequestStream
 from engine.metrics import ServerMetrics
-from engine.openai_protocol import (
+from engine.sampling_params import SamplingParams
+from entrypoints.openai.protocol import (
     ProtocolError,
     check_context,
     param_of,
     parse_chat_request,
     parse_completion_request,
 )
-from engine.openai_responses import (
+from entrypoints.openai.responses import (
     ChoiceCursor,
     TokenTexts,
     advance,
@@ -51,7 +52,6 @@ from engine.openai_responses import (
     envelope,
     usage,
 )
-from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ the `param` (the field) at fault, so the server answers `{"error": {message, typ
 Unknown fields are accepted and ignored (OpenAI clients send extras such as `user`); known fields
 are type- and range-checked. Features this engine does not have (tools, logit_bias, suffix,
 best_of > n, non-text response formats) are rejected by name rather than silently ignored.
-Response bodies are built in `engine/openai_responses.py`.
+Response bodies are built in `entrypoints/openai/responses.py`.
 """
 
 from __future__ import annotations

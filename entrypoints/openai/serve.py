@@ -1,9 +1,9 @@
-"""`python -m engine.serve`: the OpenAI-compatible server for one model.
+"""`python -m entrypoints.openai.serve`: the OpenAI-compatible server for one model.
 
 Every EngineConfig field is a flag of the same name (generated from the dataclass, so a new knob
 appears here by itself; its help is the field's comment), plus the server's own flags. Example:
 
-    python -m engine.serve --model=default --port=8000 --max_num_seqs=16 --api_key=secret
+    python -m entrypoints.openai.serve --model=default --port=8000 --max_num_seqs=16 --api_key=secret
 
 Only `main` reads FLAGS. `main` takes an optional engine factory so a test can serve another engine
 through the same flag handling; by default it builds the real LLMEngine.
@@ -20,8 +20,8 @@ import typing
 
 from absl import app, flags
 
-from engine.api_server import ServerConfig, run_server
 from engine.config import EngineConfig
+from entrypoints.openai.api_server import ServerConfig, run_server
 
 FLAGS = flags.FLAGS
 

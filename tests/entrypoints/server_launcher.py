@@ -1,11 +1,12 @@
 """Starting real server processes for tests.
 
-As a script, `python tests/engine/server_launcher.py [engine.serve flags] --fake_step_sleep=S` runs
-engine.serve's main (the real flags, app and server) around the fake engine of fake_engine.py; the
-test double stays out of library code because only this file hands serve.main an engine factory.
+As a script, `python tests/entrypoints/server_launcher.py [serve flags] --fake_step_sleep=S` runs
+entrypoints.openai.serve's main (the real flags, app and server) around the fake engine of
+fake_engine.py; the test double stays out of library code because only this file hands serve.main
+an engine factory.
 
 Imported (tests put this folder on sys.path), `ServerProcess` starts either that fake server or
-the real `python -m engine.serve` on a free loopback port and stops it with SIGTERM.
+the real `python -m entrypoints.openai.serve` on a free loopback port and stops it with SIGTERM.
 """
 
 import functools
@@ -29,7 +30,7 @@ class ServerProcess:
     """A server subprocess on 127.0.0.1 with a free port; `url` is its base URL once started."""
 
     def __init__(self, *flags: str, fake: bool = True, startup_timeout: float = 60.0):
-        entry = [str(pathlib.Path(__file__).resolve())] if fake else ["-m", "engine.serve"]
+        entry = [str(pathlib.Path(__file__).resolve())] if fake else ["-m", "entrypoints.openai.serve"]
         self.args = [sys.executable, *entry, "--host=127.0.0.1", "--port=0", *flags]
         self.startup_timeout = startup_timeout
         self.lines: list[str] = []  # everything the process printed
@@ -108,7 +109,7 @@ def _main() -> None:
     from absl import app, flags
     from fake_engine import FakeLLMEngine  # this file's folder is on sys.path
 
-    from engine import serve
+    from entrypoints.openai import serve
 
     flags.DEFINE_float("fake_step_sleep", 0.01, "Seconds each fake engine step sleeps.")
 

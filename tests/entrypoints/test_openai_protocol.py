@@ -5,21 +5,21 @@ import dataclasses
 import pytest
 
 from engine.metrics import Histogram, ServerMetrics
-from engine.openai_protocol import (
+from engine.outputs import CompletionOutput
+from entrypoints.openai.protocol import (
     ProtocolError,
     check_context,
     param_of,
     parse_chat_request,
     parse_completion_request,
 )
-from engine.openai_responses import (
+from entrypoints.openai.responses import (
     ChoiceCursor,
     TokenTexts,
     advance,
     chat_logprobs,
     completion_logprobs,
 )
-from engine.outputs import CompletionOutput
 
 NAMES = ("m",)
 

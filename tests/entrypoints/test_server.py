@@ -192,11 +192,11 @@ def test_models_health_and_metrics(client, server):
 
 
 def test_every_engine_knob_is_a_flag_and_bad_values_are_refused():
-    helped = subprocess.run([sys.executable, "-m", "engine.serve", "--helpfull"], capture_output=True, text=True,
+    helped = subprocess.run([sys.executable, "-m", "entrypoints.openai.serve", "--helpfull"], capture_output=True, text=True,
                             cwd=pathlib.Path(__file__).resolve().parents[2])
     for name in [f.name for f in dataclasses.fields(EngineConfig)] + ["host", "port", "api_key",
                                                                       "served_model_name", "max_queue_len"]:
         assert f"--{name}:" in helped.stdout or f"--[no]{name}:" in helped.stdout, name
-    bad = subprocess.run([sys.executable, "-m", "engine.serve", "--block_size=0"], capture_output=True, text=True,
+    bad = subprocess.run([sys.executable, "-m", "entrypoints.openai.serve", "--block_size=0"], capture_output=True, text=True,
                          cwd=pathlib.Path(__file__).resolve().parents[2])
     assert bad.returncode != 0 and "block_size" in bad.stderr + bad.stdout

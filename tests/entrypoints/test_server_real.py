@@ -1,6 +1,6 @@
-"""`python -m engine.serve --model=default` in a real process: the real engine (SmolLM2-135M on the CPU)
-behind the server. One server for the module; small buckets (the engine tests' shapes, so the
-persistent compilation cache is shared with them).
+"""`python -m entrypoints.openai.serve --model=default` in a real process: the real engine
+(SmolLM2-135M on the CPU) behind the server. One server for the module; small buckets (the engine
+tests' shapes, so the persistent compilation cache is shared with them).
 """
 
 import asyncio

@@ -1,4 +1,5 @@
-"""Acceptance: `python -m experiments.bench_serving` against a live `python -m engine.serve`.
+"""Acceptance: `python -m experiments.bench_serving` against a live
+`python -m entrypoints.openai.serve`.
 
 The server is the real entry point in its own process (random tiny weights, small buckets, so it
 starts in seconds); the benchmark is the real entry point too, streaming over HTTP.
@@ -13,7 +14,7 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "engine"))
+sys.path.insert(0, str(ROOT / "tests" / "entrypoints"))
 from server_launcher import ServerProcess  # noqa: E402
 
 SERVER_FLAGS = (

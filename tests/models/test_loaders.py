@@ -135,7 +135,7 @@ def test_orbax_round_trip_is_bit_identical(tmp_path, tiny_params):
 
 
 def test_gguf_conversion_cache_restores_the_same_weights(tmp_path, tiny_params):
-    from models.tokenizer import load_tokenizer  # noqa: F401  (the loader needs it importable)
+    from text.tokenizer import load_tokenizer  # noqa: F401  (the loader needs it importable)
 
     path = tmp_path / "m.gguf"
     write_gguf(path, TINY, tiny_params)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from models.default_model import default_model_path
-from models.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
+from text.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures"
 

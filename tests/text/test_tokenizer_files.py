@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import tokenizers
 
-from models.chat_template import ChatTemplateError
 from models.default_model import default_model_path
-from models.tokenizer import (
+from text.chat_template import ChatTemplateError
+from text.tokenizer import (
     Tokenizer,
     TokenizerLoadError,
     load_tokenizer,

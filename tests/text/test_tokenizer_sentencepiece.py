@@ -8,7 +8,7 @@ import gguf
 import pytest
 import sentencepiece
 
-from models.tokenizer import IncrementalDetokenizer, load_tokenizer
+from text.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 SYLLABLES = ["ka", "to", "ri", "mon", "sel", "va", "qu", "ex", "ün", "çi", "lo", "pra", "dé", "ß"]
 TEXTS = [
