@@ -3,15 +3,20 @@
     python -m experiments.bench_kernel [--context=1024 --decode_seqs=32 --repeats=30 ...]
 
 Both sides compute the same attention for the same batch; only the KV memory layout differs:
-  paged  pallas_kernels.ragged_paged_attention(backend="xla"): flat ragged tokens, pages scattered
-         over a shuffled block pool, a loop over block-table pages with online softmax.
+  paged  pallas_kernels.prepare_attention_metadata + ragged_paged_attention(backend="xla"): flat
+         ragged tokens, pages scattered over a shuffled block pool (a single-layer cache,
+         layer=None), a loop over block-table pages with online softmax. "paged ms" times the
+         step's metadata plus one layer's call (what one call cost before the metadata was split
+         out); "layer ms" one layer's call alone with the metadata prepared outside, what each
+         further layer of a model costs.
   dense  each sequence's K/V contiguous in [S, L, Hkv, D] (L = longest context, rounded up to a
          page), one masked softmax attention per group of equal query lengths: decodes as [S, 1],
          prefill chunks as [S, chunk]. That is the best case for dense (no ragged padding).
 Shapes: "decode" (decode_seqs sequences, one token each) and "mixed" (the same decodes plus
 prefill_seqs chunks of prefill_chunk tokens in one flat batch). Contexts are uniform in
 [context / 2, context]. Times are medians of `repeats` interleaved runs (paged, dense, paged, ...)
-after a warm-up; the ratio paged / dense is the number to watch (goal: <= 1.2).
+after a warm-up; the ratio paged / dense is the number to watch (goal: <= 1.2). A quick run:
+--repeats=5.
 """
 
 import functools
@@ -22,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from pallas_kernels import ragged_paged_attention
+from pallas_kernels import prepare_attention_metadata, ragged_paged_attention
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("shapes", ["decode", "mixed"], "Which batches to time: decode, mixed.")
@@ -58,8 +63,8 @@ def make_batch(rng, q_lens, kv_lens, *, hq, hkv, d, block_size, dtype):
     cast = lambda x: jnp.asarray(x, dtype)
     paged = dict(
         q=cast(q),
-        k_pages=cast(k_pages),
-        v_pages=cast(v_pages),
+        k_cache=cast(k_pages),  # one layer: [num_blocks, block_size, Hkv, D], layer=None
+        v_cache=cast(v_pages),
         seq_lens=jnp.asarray(kv_lens, jnp.int32),
         block_tables=jnp.asarray(block_tables),
         query_start_loc=jnp.asarray(qsl),
@@ -125,7 +130,30 @@ def main(argv):
             ).tolist(),
         ),
     }
-    paged_fn = jax.jit(lambda b: ragged_paged_attention(**b, sm_scale=sm_scale, backend="xla"))
+
+    def prepare(b):
+        T, hq, d = b["q"].shape
+        return prepare_attention_metadata(
+            b["seq_lens"],
+            b["block_tables"],
+            b["query_start_loc"],
+            b["num_seqs"],
+            num_tokens=T,
+            num_q_heads=hq,
+            num_kv_heads=b["k_cache"].shape[-2],
+            block_size=b["k_cache"].shape[-3],
+            backend="xla",
+            head_dim=d,
+        )
+
+    def layer(b, md):
+        return ragged_paged_attention(
+            b["q"], b["k_cache"], b["v_cache"], md, sm_scale=sm_scale, backend="xla"
+        )
+
+    paged_fn = jax.jit(lambda b: layer(b, prepare(b)))  # the step's metadata + one layer
+    prepare_fn = jax.jit(prepare)
+    layer_fn = jax.jit(layer)  # one layer, metadata prepared outside
     dense_fn = jax.jit(
         lambda groups: [
             dense_attention(g["q"], g["k"], g["v"], g["seq_lens"], sm_scale=sm_scale)
@@ -138,7 +166,8 @@ def main(argv):
         f"dtype={FLAGS.dtype} repeats={FLAGS.repeats}"
     )
     print(
-        f"{'shape':8} {'T':>5} {'S':>4} {'max_kv':>7} {'paged ms':>9} {'dense ms':>9} {'ratio':>6}"
+        f"{'shape':8} {'T':>5} {'S':>4} {'max_kv':>7} {'paged ms':>9} {'layer ms':>9} "
+        f"{'dense ms':>9} {'ratio':>6}"
     )
     for name in FLAGS.shapes:
         q_lens, kv_lens = shapes[name]
@@ -153,6 +182,8 @@ def main(argv):
             dtype=dtype,
         )
         out_paged = paged_fn(paged)
+        md = prepare_fn(paged)
+        np.testing.assert_array_equal(np.asarray(layer_fn(paged, md)), np.asarray(out_paged))
         out_dense = jnp.concatenate([o.reshape(-1, *o.shape[2:]) for o in dense_fn(groups)], axis=0)
         # Same answer (dense groups are ordered decodes first, as the flat batch is).
         np.testing.assert_allclose(
@@ -160,12 +191,18 @@ def main(argv):
             np.asarray(out_dense, np.float32),
             atol=2e-2 if FLAGS.dtype == "bfloat16" else 1e-4,
         )
-        paged_s, dense_s = time_interleaved(
-            [functools.partial(paged_fn, paged), functools.partial(dense_fn, groups)], FLAGS.repeats
+        paged_s, layer_s, dense_s = time_interleaved(
+            [
+                functools.partial(paged_fn, paged),
+                functools.partial(layer_fn, paged, md),
+                functools.partial(dense_fn, groups),
+            ],
+            FLAGS.repeats,
         )
         print(
             f"{name:8} {len(paged['q']):5d} {len(q_lens):4d} {max(kv_lens):7d} "
-            f"{paged_s * 1e3:9.3f} {dense_s * 1e3:9.3f} {paged_s / dense_s:6.2f}"
+            f"{paged_s * 1e3:9.3f} {layer_s * 1e3:9.3f} {dense_s * 1e3:9.3f} "
+            f"{paged_s / dense_s:6.2f}"
         )
 
 

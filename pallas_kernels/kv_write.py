@@ -1,42 +1,49 @@
 """Writing this step's K/V into the paged cache: one scatter per array, in place under donation.
 
-Layout: k_pages, v_pages [num_blocks, block_size, Hkv, D]; k, v [T, Hkv, D]; slot_mapping int32[T]
-with slot = block_id * block_size + offset. The pages are viewed as [num_blocks * block_size,
-Hkv, D] (a free row-major reshape) and scattered with mode="drop": a slot outside
-[0, num_blocks * block_size) writes nothing. That matters for negative slots, which plain indexing
-would wrap to the end of the cache (slot -1 would silently overwrite the last slot of the last
-block, a live block). The engine points padding tokens into the null block 0; dropping negative
-slots is the second line of defence. Call it inside a jit that donates the cache so XLA updates
-the buffers in place (tests/pallas_kernels/test_kv_write.py checks that no copy is made).
+Layout: k_cache, v_cache [L, num_blocks, block_size, Hkv, D] (all layers stacked) with `layer` a
+Python int or a traced int32 scalar (a lax.scan over layers), or a single-layer
+[num_blocks, block_size, Hkv, D] cache with layer=None (treated as L = 1, layer 0: a free
+reshape). k, v [T, Hkv, D]; slot_mapping int32[T] with slot = block_id * block_size + offset
+within one layer.
+
+The cache is viewed as [L * num_blocks * block_size, Hkv, D] (a free row-major reshape) and
+scattered at rows layer * num_blocks * block_size + slot with mode="drop": a slot outside
+[0, num_blocks * block_size) writes nothing (it is sent past the end of the whole array, so it
+can never land in another layer). That matters for negative slots, which plain indexing would
+wrap to the end of the cache (slot -1 would silently overwrite the last slot of the last block, a
+live block). The engine points padding tokens into the null block 0; dropping out-of-range slots
+is the second line of defence. Call it inside a jit that donates the cache (or on a lax.scan
+carry) so XLA updates the buffers in place (tests/pallas_kernels/test_kv_write.py checks that no
+copy is made, for a static and for a traced layer).
 """
 
 import jax.numpy as jnp
 
+from pallas_kernels import validation
 
-def write_kv(k_pages, v_pages, k, v, slot_mapping):
-    """Returns (k_pages, v_pages) with k[t], v[t] stored at slot_mapping[t] (out-of-range dropped)."""
-    k_pages, v_pages, k, v, slot_mapping = map(jnp.asarray, (k_pages, v_pages, k, v, slot_mapping))
-    if k_pages.ndim != 4 or v_pages.shape != k_pages.shape:
-        raise ValueError(
-            "k_pages and v_pages must both be [num_blocks, block_size, Hkv, D]; got "
-            f"k_pages{tuple(k_pages.shape)}, v_pages{tuple(v_pages.shape)}"
-        )
-    num_blocks, block_size, num_kv_heads, head_dim = k_pages.shape
+
+def write_kv(k_cache, v_cache, k, v, slot_mapping, layer=None):
+    """Returns (k_cache, v_cache) with k[t], v[t] at slot_mapping[t] of `layer` (out-of-range dropped)."""
+    k_cache, v_cache, k, v, slot_mapping = map(jnp.asarray, (k_cache, v_cache, k, v, slot_mapping))
+    cache = validation.check_cache(k_cache, v_cache, layer)
     num_tokens = slot_mapping.shape[0] if slot_mapping.ndim == 1 else -1
-    expected = (num_tokens, num_kv_heads, head_dim)
+    expected = (num_tokens, cache.num_kv_heads, cache.head_dim)
     if slot_mapping.ndim != 1 or k.shape != expected or v.shape != expected:
         raise ValueError(
-            f"write_kv wants k, v [T, Hkv, D] and slot_mapping [T] matching k_pages"
-            f"{tuple(k_pages.shape)}; got k{tuple(k.shape)}, v{tuple(v.shape)}, "
+            f"write_kv wants k, v [T, Hkv, D] and slot_mapping [T] matching k_cache"
+            f"{tuple(k_cache.shape)}; got k{tuple(k.shape)}, v{tuple(v.shape)}, "
             f"slot_mapping{tuple(slot_mapping.shape)}"
         )
     if not jnp.issubdtype(slot_mapping.dtype, jnp.integer):
         raise ValueError(f"slot_mapping must be integer; got dtype {slot_mapping.dtype}")
-    num_slots = num_blocks * block_size
-    # Negative slots are mapped past the end so that mode="drop" discards them instead of wrapping.
+    layer_slots = cache.num_blocks * cache.block_size
+    total_slots = cache.num_layers * layer_slots
+    # Out-of-range slots go past the end of the whole array so that mode="drop" discards them
+    # instead of wrapping (negative) or spilling into the next layer (>= layer_slots).
     slots = slot_mapping.astype(jnp.int32)
-    slots = jnp.where(slots < 0, num_slots, slots)
-    flat_shape = (num_slots, num_kv_heads, head_dim)
-    k_flat = k_pages.reshape(flat_shape).at[slots].set(k.astype(k_pages.dtype), mode="drop")
-    v_flat = v_pages.reshape(flat_shape).at[slots].set(v.astype(v_pages.dtype), mode="drop")
-    return k_flat.reshape(k_pages.shape), v_flat.reshape(v_pages.shape)
+    rows = validation.layer_index(layer) * layer_slots + slots
+    rows = jnp.where((slots >= 0) & (slots < layer_slots), rows, total_slots)
+    flat_shape = (total_slots, cache.num_kv_heads, cache.head_dim)
+    k_flat = k_cache.reshape(flat_shape).at[rows].set(k.astype(k_cache.dtype), mode="drop")
+    v_flat = v_cache.reshape(flat_shape).at[rows].set(v.astype(v_cache.dtype), mode="drop")
+    return k_flat.reshape(k_cache.shape), v_flat.reshape(v_cache.shape)

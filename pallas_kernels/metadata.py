@@ -1,4 +1,12 @@
-"""Per-query-block metadata for ragged batches, computed once in XLA and shared by all kernels.
+"""Per-step attention metadata, computed once in XLA and shared by every layer and every kernel.
+
+Two levels:
+  `AttentionMetadata` (what `prepare_attention_metadata` returns, one per step): everything that
+    depends only on the batch and on the backend's static choices (block_q, pages_per_step,
+    split count, the padded block-table layout, each query block's page range). A model computes
+    it once per step and passes it to every layer's `ragged_paged_attention` call; it is a pytree,
+    so it can cross a jit boundary or be closed over by a `lax.scan` body over layers.
+  `BlockMetadata` (inside it): the query blocks themselves.
 
 The flat token axis (T tokens, sequences back to back as `query_start_loc` says) is cut into
 query blocks of `block_q` tokens, each inside ONE sequence: a sequence with q_len tokens owns
@@ -7,11 +15,15 @@ static bound `num_query_blocks(T, S, block_q)` sizes the arrays, and blocks past
 have `q_lens == 0` (kernels skip them and write zeros).
 
 Walkthrough:
+  Once per step (prepare):
   1. `compute_block_metadata` turns (seq_lens, query_start_loc, num_seqs) into `BlockMetadata`.
-  2. `gather_query_blocks` copies q into [NB, block_q, Hq, D] rows (a T-sized gather, cheap next
+  2. `kv_page_range` gives each block the pages [lo, hi) it reads; `loop_step_range` the loop
+     steps any block needs; the backend lays out its block tables (`AttentionMetadata.tables`).
+  Per layer (attention):
+  3. `gather_query_blocks` copies q into [NB, block_q, Hq, D] rows (a T-sized gather, cheap next
      to reading the KV pages), so a kernel reads whole aligned blocks and never overlaps another
      block's tokens.
-  3. A kernel writes [NB, block_q, Hq, D]; `scatter_query_blocks` gathers it back to [T, Hq, D]
+  4. A kernel writes [NB, block_q, Hq, D]; `scatter_query_blocks` gathers it back to [T, Hq, D]
      and zeroes padding tokens (index >= query_start_loc[num_seqs]).
   The Pallas kernels use `pack_query_blocks` / `unpack_query_blocks`, the same gathers with the
   query heads of one kv head stacked as rows: [NB, Hkv, block_q * group, D].
@@ -51,8 +63,8 @@ class BlockMetadata:
 
 def compute_block_metadata(seq_lens, query_start_loc, num_seqs, *, num_tokens: int, block_q: int):
     """Builds BlockMetadata in XLA; shapes are static, the counts are device values."""
-    seq_lens = seq_lens.astype(jnp.int32)
-    qsl = query_start_loc.astype(jnp.int32)
+    seq_lens = jnp.asarray(seq_lens).astype(jnp.int32)
+    qsl = jnp.asarray(query_start_loc).astype(jnp.int32)
     num_seqs = jnp.reshape(num_seqs, ()).astype(jnp.int32)
     max_num_seqs = seq_lens.shape[0]
     nb = num_query_blocks(num_tokens, max_num_seqs, block_q)
@@ -91,6 +103,55 @@ def compute_block_metadata(seq_lens, query_start_loc, num_seqs, *, num_tokens: i
     )
 
 
+def _static(**kwargs):
+    return dataclasses.field(metadata=dict(static=True), **kwargs)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+    """One step's batch metadata for every layer's ragged_paged_attention call.
+
+    Array fields are device values computed in XLA (NB = num_query_blocks(T, S, block_q)); the
+    static fields are Python values, part of the pytree structure (a jit cache key).
+    """
+
+    blocks: BlockMetadata  # the query blocks (see BlockMetadata)
+    lo: jax.Array  # int32[NB] first block-table column (page) each query block reads
+    hi: jax.Array  # int32[NB] one past the last column it reads (lo == hi: nothing to read)
+    first_step: jax.Array  # int32[] first loop step (of pages_per_step pages) any block reads
+    last_step: jax.Array  # int32[] one past the last loop step any block reads
+    # Block tables in the backend's layout, entries are page ids within one layer:
+    #   xla         int32[NB, max_blocks_per_seq padded to pages_per_step] (row = query block)
+    #   pallas_gpu  int32[S, max_blocks_per_seq padded to pages_per_step] (row = sequence)
+    #   pallas_tpu  int32[S * max_blocks_per_seq] (row-major, for SMEM)
+    # Padded columns are 0 (the null block) and always masked.
+    tables: jax.Array
+    backend: str = _static()  # "xla" | "pallas_gpu" | "pallas_tpu"
+    num_tokens: int = _static()  # T
+    max_num_seqs: int = _static()  # S
+    max_blocks_per_seq: int = _static()  # block_tables' columns before padding
+    num_q_heads: int = _static()
+    num_kv_heads: int = _static()
+    head_dim: int | None = _static()  # None: taken from q per call
+    block_size: int = _static()  # tokens per page
+    block_q: int = _static()  # query tokens per query block
+    group_pad: int = _static()  # query heads per kv head as the kernel lays them out (>= G)
+    pages_per_step: int = _static()  # pages per kv loop step (1 for pallas_tpu)
+    num_kv_splits: int = _static()  # pallas_gpu split-K partitions of the kv loop (1: none)
+    sliding_window: int | None = _static()  # window the page ranges were cut for (None: full)
+
+    @property
+    def group(self) -> int:
+        """Query heads per kv head (GQA ratio)."""
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def num_query_blocks(self) -> int:
+        """NB, the static number of query blocks."""
+        return self.blocks.q_lens.shape[0]
+
+
 def kv_page_range(md: BlockMetadata, *, block_size: int, sliding_window: int | None):
     """Pages [lo, hi) of each block's sequence that hold kv positions the block attends to.
 
@@ -104,6 +165,78 @@ def kv_page_range(md: BlockMetadata, *, block_size: int, sliding_window: int | N
         lo = jnp.maximum(md.first_pos - sliding_window + 1, 0) // block_size
         lo = jnp.minimum(lo, hi)
     return lo.astype(jnp.int32), hi.astype(jnp.int32)
+
+
+def loop_step_range(md: BlockMetadata, lo, hi, *, pages_per_step: int, max_blocks_per_seq: int):
+    """Loop steps [first, last) of pages_per_step pages that cover every real block's [lo, hi)."""
+    real = md.q_lens > 0
+    last = (jnp.max(jnp.where(real, hi, 0)) + pages_per_step - 1) // pages_per_step
+    first = jnp.min(jnp.where(real, lo, max_blocks_per_seq)) // pages_per_step
+    return jnp.minimum(first, last).astype(jnp.int32), last.astype(jnp.int32)
+
+
+def pad_columns(tables, multiple: int):
+    """Pads [rows, columns] block tables with 0 (the null block) to a multiple of `multiple`."""
+    columns = tables.shape[1]
+    padded = -(-columns // multiple) * multiple
+    if padded == columns:
+        return tables
+    return jnp.pad(tables, ((0, 0), (0, padded - columns)))
+
+
+def build_attention_metadata(
+    seq_lens,
+    block_tables,
+    query_start_loc,
+    num_seqs,
+    *,
+    shapes,
+    backend: str,
+    block_q: int,
+    group_pad: int,
+    pages_per_step: int,
+    num_kv_splits: int,
+    sliding_window: int | None,
+    layout_tables,
+) -> AttentionMetadata:
+    """The backend-independent part of prepare: blocks, page ranges, loop steps.
+
+    shapes is a validation.BatchShapes; layout_tables(block_tables int32[S, mb], blocks) returns
+    the backend's `tables` array.
+    """
+    blocks = compute_block_metadata(
+        seq_lens, query_start_loc, num_seqs, num_tokens=shapes.num_tokens, block_q=block_q
+    )
+    lo, hi = kv_page_range(blocks, block_size=shapes.block_size, sliding_window=sliding_window)
+    first_step, last_step = loop_step_range(
+        blocks,
+        lo,
+        hi,
+        pages_per_step=pages_per_step,
+        max_blocks_per_seq=shapes.max_blocks_per_seq,
+    )
+    tables = layout_tables(jnp.asarray(block_tables).astype(jnp.int32), blocks)
+    return AttentionMetadata(
+        blocks=blocks,
+        lo=lo,
+        hi=hi,
+        first_step=first_step,
+        last_step=last_step,
+        tables=tables,
+        backend=backend,
+        num_tokens=shapes.num_tokens,
+        max_num_seqs=shapes.max_num_seqs,
+        max_blocks_per_seq=shapes.max_blocks_per_seq,
+        num_q_heads=shapes.num_q_heads,
+        num_kv_heads=shapes.num_kv_heads,
+        head_dim=shapes.head_dim,
+        block_size=shapes.block_size,
+        block_q=block_q,
+        group_pad=group_pad,
+        pages_per_step=pages_per_step,
+        num_kv_splits=num_kv_splits,
+        sliding_window=sliding_window,
+    )
 
 
 def gather_query_blocks(q, md: BlockMetadata, *, block_q: int):

@@ -3,11 +3,15 @@
 Layout
   q_blocks  [NB, Hkv, R, D] VMEM blocks, R = block_q * G rows: row r of kv head h is query token
             r // G of the block, query head h * G + r % G (metadata.pack_query_blocks).
-  k_pages, v_pages [num_blocks, block_size, Hkv, D] stay in HBM (memory space pl.ANY); the kernel
-            copies the pages it needs, one whole page (all kv heads) per async copy.
+  k_cache, v_cache [L, num_blocks, block_size, Hkv, D] (all layers stacked; a single-layer 4-D
+            cache is passed as L = 1, a free reshape) stay in HBM (memory space pl.ANY); the
+            kernel copies the pages it needs, one whole page (all kv heads) per async copy from
+            the HBM ref indexed in place at [layer, page]: no layer is sliced or copied out.
   out       [NB, Hkv, R, D], gathered back to [T, Hq, D] in XLA.
-  Scalar prefetch (SMEM): block tables flattened to [S * max_blocks_per_seq], and per query block
-  its sequence, real rows, kv position of row 0, and the page range [lo, hi) it reads.
+  Scalar prefetch (SMEM): the layer (int32[1]: a Python int or a traced scalar, e.g. the index
+  of a lax.scan over layers), then from AttentionMetadata (prepared once per step by
+  `prepare_tpu`): block tables flattened to [S * max_blocks_per_seq], and per query block its
+  sequence, real rows, kv position of row 0, and the page range [lo, hi) it reads.
 
 Walkthrough (grid = (NB,), one query block per step; "parallel": steps are independent)
   1. Zero the online-softmax scratch (m = -inf, l = 0, acc = 0), one slice per kv head.
@@ -33,6 +37,7 @@ _ROW_MULTIPLE = 8  # sublanes of a TPU vreg: R = block_q * G is padded-free when
 
 def _tpu_kernel(
     # Scalar prefetch, SMEM.
+    layer_ref,  # int32[1] layer of the stacked cache this call reads
     tables_ref,  # int32[S * max_blocks_per_seq] block tables, row-major
     seq_ref,  # int32[NB] sequence of each query block
     q_len_ref,  # int32[NB] real query tokens of each block (0: padding block)
@@ -41,8 +46,8 @@ def _tpu_kernel(
     hi_ref,  # int32[NB] one past the last page it reads
     # Inputs.
     q_ref,  # VMEM [Hkv, R, D] this block's queries
-    k_hbm,  # HBM [num_blocks, block_size, Hkv, D]
-    v_hbm,  # HBM [num_blocks, block_size, Hkv, D]
+    k_hbm,  # HBM [L, num_blocks, block_size, Hkv, D] all layers' K pages
+    v_hbm,  # HBM [L, num_blocks, block_size, Hkv, D] all layers' V pages
     # Output.
     o_ref,  # VMEM [Hkv, R, D]
     # Scratch.
@@ -60,6 +65,7 @@ def _tpu_kernel(
     max_blocks_per_seq: int,
 ):
     b = pl.program_id(0)
+    layer = layer_ref[0]
     seq, lo, hi = seq_ref[b], lo_ref[b], hi_ref[b]
     first_pos = pos_ref[b]
     kv_end = first_pos + q_len_ref[b]  # no row reads kv positions >= kv_end
@@ -73,8 +79,8 @@ def _tpu_kernel(
     def page_copies(j, slot):
         page = tables_ref[seq * max_blocks_per_seq + j]
         return (
-            pltpu.make_async_copy(k_hbm.at[page], k_buf.at[slot], sems.at[0, slot]),
-            pltpu.make_async_copy(v_hbm.at[page], v_buf.at[slot], sems.at[1, slot]),
+            pltpu.make_async_copy(k_hbm.at[layer, page], k_buf.at[slot], sems.at[0, slot]),
+            pltpu.make_async_copy(v_hbm.at[layer, page], v_buf.at[slot], sems.at[1, slot]),
         )
 
     @pl.when(lo < hi)
@@ -129,10 +135,13 @@ def _tpu_kernel(
     o_ref[...] = (acc_scr[...] / jnp.where(denom == 0.0, 1.0, denom)).astype(o_ref.dtype)
 
 
-def _tpu_pallas_call(scalars, q_blocks, k_pages, v_pages, *, interpret, **static):
-    """pallas_call over grid (NB,); scalars = (tables, seq, q_len, pos, lo, hi)."""
+def _tpu_pallas_call(scalars, q_blocks, k_cache, v_cache, *, interpret, **static):
+    """pallas_call over grid (NB,); scalars = (layer, tables, seq, q_len, pos, lo, hi).
+
+    k_cache, v_cache [L, num_blocks, block_size, Hkv, D], left in HBM.
+    """
     nb, num_kv_heads, rows, head_dim = q_blocks.shape
-    _, block_size, _, _ = k_pages.shape
+    block_size = k_cache.shape[2]
     block = pl.BlockSpec((None, num_kv_heads, rows, head_dim), lambda b, *_: (b, 0, 0, 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(scalars),
@@ -140,8 +149,8 @@ def _tpu_pallas_call(scalars, q_blocks, k_pages, v_pages, *, interpret, **static
         in_specs=[block, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=block,
         scratch_shapes=[
-            pltpu.VMEM((2, block_size, num_kv_heads, head_dim), k_pages.dtype),
-            pltpu.VMEM((2, block_size, num_kv_heads, head_dim), v_pages.dtype),
+            pltpu.VMEM((2, block_size, num_kv_heads, head_dim), k_cache.dtype),
+            pltpu.VMEM((2, block_size, num_kv_heads, head_dim), v_cache.dtype),
             pltpu.SemaphoreType.DMA((2, 2)),
             pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),
             pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),
@@ -155,65 +164,80 @@ def _tpu_pallas_call(scalars, q_blocks, k_pages, v_pages, *, interpret, **static
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
         interpret=interpret,
         name="ragged_paged_attention_tpu",
-    )(*scalars, q_blocks, k_pages, v_pages)
+    )(*scalars, q_blocks, k_cache, v_cache)
 
 
-def ragged_paged_attention_tpu(
-    q,
-    k_pages,
-    v_pages,
+def prepare_tpu(
     seq_lens,
     block_tables,
     query_start_loc,
     num_seqs,
+    shapes: validation.BatchShapes,
     *,
+    sliding_window: int | None,
+    block_q: int | None = None,
+) -> metadata.AttentionMetadata:
+    """The TPU kernel's AttentionMetadata (inputs validated by prepare_attention_metadata)."""
+    bq = block_q or metadata.choose_block_q(
+        shapes.num_tokens, shapes.max_num_seqs, shapes.group, row_multiple=_ROW_MULTIPLE
+    )
+    return metadata.build_attention_metadata(
+        seq_lens,
+        block_tables,
+        query_start_loc,
+        num_seqs,
+        shapes=shapes,
+        backend="pallas_tpu",
+        block_q=bq,
+        group_pad=shapes.group,
+        pages_per_step=1,
+        num_kv_splits=1,
+        sliding_window=sliding_window,
+        layout_tables=lambda tables, blocks: tables.reshape(-1),  # SMEM wants 1-D
+    )
+
+
+def ragged_paged_attention_tpu(
+    q,
+    k_cache,
+    v_cache,
+    md: metadata.AttentionMetadata,
+    *,
+    layer=None,
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     interpret: bool | pltpu.InterpretParams = False,
-    block_q: int | None = None,
 ):
-    """Public entry of the TPU kernel: validates shapes (ValueError), returns [T, Hq, D].
+    """One layer of the TPU kernel: validates shapes (ValueError), returns [T, Hq, D].
 
+    k_cache, v_cache: [L, num_blocks, block_size, Hkv, D] with layer a Python int or a traced
+    int32 scalar in [0, L), or [num_blocks, block_size, Hkv, D] with layer=None.
     interpret=True runs TPU interpret mode (pltpu.InterpretParams(), which simulates HBM, VMEM,
     DMAs and semaphores on the CPU); pass an InterpretParams to choose its checks.
     """
-    shapes = validation.check_attention_inputs(
-        q, k_pages, v_pages, seq_lens, block_tables, query_start_loc, num_seqs
-    )
+    cache = validation.check_layer_inputs(q, k_cache, v_cache, md, layer, "pallas_tpu")
     validation.check_options(sm_scale, sliding_window, soft_cap, "pallas_tpu")
-    q, k_pages, v_pages, block_tables = map(jnp.asarray, (q, k_pages, v_pages, block_tables))
-    group, num_tokens = shapes.group, shapes.num_tokens
-    bq = block_q or metadata.choose_block_q(
-        num_tokens, shapes.max_num_seqs, group, row_multiple=_ROW_MULTIPLE
-    )
+    validation.check_window_fits(md, sliding_window)
+    q = jnp.asarray(q)
     if interpret is True:
         interpret = pltpu.InterpretParams()
-    md = metadata.compute_block_metadata(
-        seq_lens, query_start_loc, num_seqs, num_tokens=num_tokens, block_q=bq
-    )
-    lo, hi = metadata.kv_page_range(md, block_size=shapes.block_size, sliding_window=sliding_window)
-    scalars = (
-        block_tables.astype(jnp.int32).reshape(-1),
-        md.seq_ids,
-        md.q_lens,
-        md.first_pos,
-        lo,
-        hi,
-    )
+    layer_arr = jnp.reshape(jnp.asarray(validation.layer_index(layer), jnp.int32), (1,))
+    blocks = md.blocks
+    scalars = (layer_arr, md.tables, blocks.seq_ids, blocks.q_lens, blocks.first_pos, md.lo, md.hi)
     q_blocks = metadata.pack_query_blocks(
-        q, md, block_q=bq, num_kv_heads=shapes.num_kv_heads, group_pad=group
+        q, blocks, block_q=md.block_q, num_kv_heads=md.num_kv_heads, group_pad=md.group
     )
     out = _tpu_pallas_call(
         scalars,
         q_blocks,
-        k_pages,
-        v_pages,
+        validation.stacked_view(k_cache, cache),
+        validation.stacked_view(v_cache, cache),
         interpret=interpret,
         sm_scale=float(sm_scale),
         sliding_window=sliding_window,
         soft_cap=None if soft_cap is None else float(soft_cap),
-        group=group,
-        max_blocks_per_seq=shapes.max_blocks_per_seq,
+        group=md.group,
+        max_blocks_per_seq=md.max_blocks_per_seq,
     )
-    return metadata.unpack_query_blocks(out, md, block_q=bq, group=group)
+    return metadata.unpack_query_blocks(out, blocks, block_q=md.block_q, group=md.group)

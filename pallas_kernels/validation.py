@@ -1,12 +1,20 @@
 """Trace-time checks of the ragged paged-attention contract, shared by every implementation.
 
-Shapes (one layer):
-  q               [T, num_q_heads, head_dim]                  float (float32 or bfloat16)
-  k_pages/v_pages [num_blocks, block_size, num_kv_heads, head_dim]   same dtype as each other
-  seq_lens        int32[S]           kv length of each sequence after this step's tokens are written
-  block_tables    int32[S, max_blocks_per_seq]   entries past a sequence's blocks are 0 (null block)
-  query_start_loc int32[S + 1]       cumulative query offsets into the token axis
-  num_seqs        int32[] or int32[1]  real sequences (a device value)
+Shapes, split by when they are checked:
+
+  Once per step, in prepare_attention_metadata (the batch):
+    seq_lens        int32[S]           kv length of each sequence after this step's tokens are written
+    block_tables    int32[S, max_blocks_per_seq]   entries past a sequence's blocks are 0 (null block)
+    query_start_loc int32[S + 1]       cumulative query offsets into the token axis
+    num_seqs        int32[] or int32[1]  real sequences (a device value)
+    and the static sizes num_tokens (T), num_q_heads, num_kv_heads, block_size, head_dim (optional).
+
+  Per layer, in ragged_paged_attention / write_kv (cheap: shapes only, trace time):
+    q               [T, num_q_heads, head_dim]                  float (float32 or bfloat16)
+    k_cache/v_cache [num_layers, num_blocks, block_size, num_kv_heads, head_dim] (stacked, with
+                    `layer` a Python int or a traced int32 scalar) or the single-layer
+                    [num_blocks, block_size, num_kv_heads, head_dim] (with layer=None); same shape
+                    and dtype as each other.
 
 Every failure is a ValueError naming the argument and the shapes it saw.
 """
@@ -20,14 +28,13 @@ BACKENDS = ("xla", "pallas_gpu", "pallas_tpu")
 
 
 @dataclasses.dataclass(frozen=True)
-class AttentionShapes:
-    """Static sizes of one ragged paged-attention call (all Python ints)."""
+class BatchShapes:
+    """Static sizes of one step's batch (all Python ints; head_dim may be None)."""
 
     num_tokens: int  # T, padded token count
     num_q_heads: int
     num_kv_heads: int
-    head_dim: int
-    num_blocks: int  # pages in the cache, block 0 included
+    head_dim: int | None  # checked against q per call when given
     block_size: int  # tokens per page
     max_num_seqs: int  # S, padded sequence count
     max_blocks_per_seq: int
@@ -38,45 +45,69 @@ class AttentionShapes:
         return self.num_q_heads // self.num_kv_heads
 
 
+@dataclasses.dataclass(frozen=True)
+class CacheShapes:
+    """Static sizes of the KV cache as a stacked [L, num_blocks, block_size, Hkv, D] array."""
+
+    num_layers: int  # 1 for a single-layer 4-D cache
+    num_blocks: int  # pages per layer, block 0 included
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def stacked_shape(self) -> tuple[int, ...]:
+        return (
+            self.num_layers,
+            self.num_blocks,
+            self.block_size,
+            self.num_kv_heads,
+            self.head_dim,
+        )
+
+
 def _shape_str(**arrays) -> str:
     return ", ".join(f"{name}{tuple(np.shape(x))}" for name, x in arrays.items())
 
 
-def check_attention_inputs(
-    q, k_pages, v_pages, seq_lens, block_tables, query_start_loc, num_seqs
-) -> AttentionShapes:
-    """Validates ranks, dtypes and sizes; returns the static sizes or raises ValueError."""
+def _is_positive_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x > 0
+
+
+def check_batch_inputs(
+    seq_lens,
+    block_tables,
+    query_start_loc,
+    num_seqs,
+    *,
+    num_tokens,
+    num_q_heads,
+    num_kv_heads,
+    block_size,
+    head_dim=None,
+) -> BatchShapes:
+    """Validates the batch arrays and static sizes; returns BatchShapes or raises ValueError."""
     shapes = _shape_str(
-        q=q,
-        k_pages=k_pages,
-        v_pages=v_pages,
         seq_lens=seq_lens,
         block_tables=block_tables,
         query_start_loc=query_start_loc,
         num_seqs=num_seqs,
     )
-    if q.ndim != 3:
-        raise ValueError(f"q must be [T, num_q_heads, head_dim]; got {shapes}")
-    if k_pages.ndim != 4:
+    sizes = dict(
+        num_tokens=num_tokens,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        block_size=block_size,
+    )
+    if head_dim is not None:
+        sizes["head_dim"] = head_dim
+    for name, size in sizes.items():
+        if not _is_positive_int(size):
+            raise ValueError(f"{name} must be a positive Python int; got {size!r} ({shapes})")
+    if num_q_heads % num_kv_heads:
         raise ValueError(
-            f"k_pages must be [num_blocks, block_size, num_kv_heads, head_dim]; got {shapes}"
-        )
-    if v_pages.shape != k_pages.shape or v_pages.dtype != k_pages.dtype:
-        raise ValueError(
-            f"v_pages must match k_pages in shape and dtype; got {shapes}, "
-            f"dtypes k_pages={k_pages.dtype} v_pages={v_pages.dtype}"
-        )
-    if not jnp.issubdtype(q.dtype, jnp.floating):
-        raise ValueError(f"q must be floating point; got dtype {q.dtype} ({shapes})")
-    if not jnp.issubdtype(k_pages.dtype, jnp.floating):
-        raise ValueError(f"k_pages must be floating point; got dtype {k_pages.dtype} ({shapes})")
-    num_tokens, num_q_heads, head_dim = q.shape
-    num_blocks, block_size, num_kv_heads, kv_head_dim = k_pages.shape
-    if kv_head_dim != head_dim:
-        raise ValueError(f"q and k_pages disagree on head_dim; got {shapes}")
-    if num_kv_heads == 0 or num_q_heads % num_kv_heads:
-        raise ValueError(
-            f"q's num_q_heads must be a multiple of k_pages' num_kv_heads; got {shapes}"
+            f"num_q_heads must be a multiple of num_kv_heads; got num_q_heads={num_q_heads}, "
+            f"num_kv_heads={num_kv_heads}"
         )
     for name, x in (
         ("seq_lens", seq_lens),
@@ -84,40 +115,166 @@ def check_attention_inputs(
         ("query_start_loc", query_start_loc),
         ("num_seqs", num_seqs),
     ):
-        if not jnp.issubdtype(x.dtype, jnp.integer):
-            raise ValueError(f"{name} must be an integer array; got dtype {x.dtype} ({shapes})")
-    if seq_lens.ndim != 1:
+        if not jnp.issubdtype(jnp.result_type(x), jnp.integer):
+            raise ValueError(
+                f"{name} must be an integer array; got dtype {jnp.result_type(x)} ({shapes})"
+            )
+    if np.ndim(seq_lens) != 1:
         raise ValueError(f"seq_lens must be [S]; got {shapes}")
-    max_num_seqs = seq_lens.shape[0]
-    if block_tables.ndim != 2 or block_tables.shape[0] != max_num_seqs:
+    max_num_seqs = np.shape(seq_lens)[0]
+    if np.ndim(block_tables) != 2 or np.shape(block_tables)[0] != max_num_seqs:
         raise ValueError(
             f"block_tables must be [S, max_blocks_per_seq] with S=len(seq_lens); got {shapes}"
         )
-    if query_start_loc.shape != (max_num_seqs + 1,):
+    if np.shape(query_start_loc) != (max_num_seqs + 1,):
         raise ValueError(f"query_start_loc must be [S + 1] with S=len(seq_lens); got {shapes}")
     if np.shape(num_seqs) not in ((), (1,)):
         raise ValueError(f"num_seqs must be a scalar of shape [] or [1]; got {shapes}")
-    if num_tokens == 0 or max_num_seqs == 0 or block_tables.shape[1] == 0:
-        raise ValueError(f"T, S and max_blocks_per_seq must be positive; got {shapes}")
-    return AttentionShapes(
-        num_tokens=num_tokens,
-        num_q_heads=num_q_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        num_blocks=num_blocks,
-        block_size=block_size,
+    if max_num_seqs == 0 or np.shape(block_tables)[1] == 0:
+        raise ValueError(f"S and max_blocks_per_seq must be positive; got {shapes}")
+    return BatchShapes(
+        num_tokens=int(num_tokens),
+        num_q_heads=int(num_q_heads),
+        num_kv_heads=int(num_kv_heads),
+        head_dim=None if head_dim is None else int(head_dim),
+        block_size=int(block_size),
         max_num_seqs=max_num_seqs,
-        max_blocks_per_seq=block_tables.shape[1],
+        max_blocks_per_seq=np.shape(block_tables)[1],
     )
+
+
+def check_cache(k_cache, v_cache, layer, *, k_name="k_cache", v_name="v_cache") -> CacheShapes:
+    """Validates a stacked (5-D, with `layer`) or single-layer (4-D, layer=None) K/V cache pair.
+
+    A Python int layer must lie in [0, num_layers); a traced layer must be an integer scalar (its
+    range is the caller's promise: the kernels do not bounds-check it).
+    """
+    shapes = _shape_str(**{k_name: k_cache, v_name: v_cache})
+    if np.shape(v_cache) != np.shape(k_cache) or jnp.result_type(v_cache) != jnp.result_type(
+        k_cache
+    ):
+        raise ValueError(
+            f"{v_name} must match {k_name} in shape and dtype; got {shapes}, dtypes "
+            f"{k_name}={jnp.result_type(k_cache)} {v_name}={jnp.result_type(v_cache)}"
+        )
+    if not jnp.issubdtype(jnp.result_type(k_cache), jnp.floating):
+        raise ValueError(
+            f"{k_name} must be floating point; got dtype {jnp.result_type(k_cache)} ({shapes})"
+        )
+    ndim = np.ndim(k_cache)
+    if ndim == 4:
+        if layer is not None:
+            raise ValueError(
+                f"a single-layer {k_name} [num_blocks, block_size, num_kv_heads, head_dim] takes "
+                f"layer=None; got layer={layer!r} ({shapes})"
+            )
+        return CacheShapes(1, *np.shape(k_cache))
+    if ndim != 5:
+        raise ValueError(
+            f"{k_name} must be [num_layers, num_blocks, block_size, num_kv_heads, head_dim] "
+            f"(or [num_blocks, block_size, num_kv_heads, head_dim] with layer=None); got {shapes}"
+        )
+    num_layers = np.shape(k_cache)[0]
+    if layer is None:
+        raise ValueError(f"a stacked {k_name} needs layer (an int or int32 scalar); got {shapes}")
+    if isinstance(layer, (int, np.integer)) and not isinstance(layer, bool):
+        if not 0 <= layer < num_layers:
+            raise ValueError(f"layer must be in [0, {num_layers}); got {layer} ({shapes})")
+    elif (
+        isinstance(layer, bool)
+        or np.shape(layer) != ()
+        or not jnp.issubdtype(jnp.result_type(layer), jnp.integer)
+    ):
+        raise ValueError(
+            f"layer must be a Python int or an integer scalar array; got {layer!r} ({shapes})"
+        )
+    return CacheShapes(*np.shape(k_cache))
+
+
+def stacked_view(cache, cache_shapes: CacheShapes):
+    """The cache as [L, num_blocks, block_size, Hkv, D]: a free reshape (bitcast) of a 4-D cache."""
+    return jnp.reshape(cache, cache_shapes.stacked_shape)
+
+
+def layer_index(layer):
+    """0 for layer=None, a Python int stays static, a traced scalar becomes int32[]."""
+    if layer is None:
+        return 0
+    if isinstance(layer, (int, np.integer)):
+        return int(layer)
+    return jnp.asarray(layer).astype(jnp.int32)
+
+
+def check_layer_inputs(q, k_cache, v_cache, md, layer, backend) -> CacheShapes:
+    """Per-layer checks: q and the cache against the metadata; returns the cache's sizes."""
+    if md.backend != backend:
+        raise ValueError(f"md was prepared for backend {md.backend!r}; got backend={backend!r}")
+    cache = check_cache(k_cache, v_cache, layer)
+    shapes = _shape_str(q=q, k_cache=k_cache, v_cache=v_cache)
+    if np.ndim(q) != 3:
+        raise ValueError(f"q must be [T, num_q_heads, head_dim]; got {shapes}")
+    if not jnp.issubdtype(jnp.result_type(q), jnp.floating):
+        raise ValueError(f"q must be floating point; got dtype {jnp.result_type(q)} ({shapes})")
+    num_tokens, num_q_heads, head_dim = np.shape(q)
+    if (num_tokens, num_q_heads) != (md.num_tokens, md.num_q_heads):
+        raise ValueError(
+            f"q must be [num_tokens={md.num_tokens}, num_q_heads={md.num_q_heads}, head_dim] as "
+            f"the metadata was prepared; got {shapes}"
+        )
+    if md.head_dim is not None and head_dim != md.head_dim:
+        raise ValueError(f"q's head_dim must be the metadata's {md.head_dim}; got {shapes}")
+    if cache.head_dim != head_dim:
+        raise ValueError(f"q and k_cache disagree on head_dim; got {shapes}")
+    if (cache.block_size, cache.num_kv_heads) != (md.block_size, md.num_kv_heads):
+        raise ValueError(
+            f"k_cache's block_size and num_kv_heads must be the metadata's ({md.block_size}, "
+            f"{md.num_kv_heads}); got {shapes}"
+        )
+    return cache
 
 
 def check_options(sm_scale, sliding_window, soft_cap, backend) -> None:
     """Validates the static keyword options."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
-    if not isinstance(sm_scale, (int, float)) or not sm_scale > 0:
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not sm_scale > 0:
         raise ValueError(f"sm_scale must be a positive Python float; got {sm_scale!r}")
-    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
-        raise ValueError(f"sliding_window must be None or a positive int; got {sliding_window!r}")
+    check_sliding_window(sliding_window)
     if soft_cap is not None and (not isinstance(soft_cap, (int, float)) or not soft_cap > 0):
         raise ValueError(f"soft_cap must be None or a positive float; got {soft_cap!r}")
+
+
+def check_sliding_window(sliding_window) -> None:
+    if sliding_window is not None and not _is_positive_int(sliding_window):
+        raise ValueError(f"sliding_window must be None or a positive int; got {sliding_window!r}")
+
+
+def check_window_fits(md, sliding_window) -> None:
+    """A layer's window must not see pages the metadata's page range skipped.
+
+    Metadata prepared with sliding_window=W reads only pages a W-window needs, so it serves layers
+    with a window <= W; metadata prepared with None serves every layer (the mask does the rest).
+    """
+    if md.sliding_window is None:
+        return
+    if sliding_window is None or sliding_window > md.sliding_window:
+        raise ValueError(
+            f"metadata was prepared with sliding_window={md.sliding_window}, which skips pages "
+            f"this layer's sliding_window={sliding_window} needs; prepare with "
+            "sliding_window=None (or the largest window) for models that mix windows"
+        )
+
+
+def check_tuning(backend, *, block_q, pages_per_step, num_kv_splits) -> None:
+    """Validates the optional per-backend overrides of prepare_attention_metadata."""
+    for name, value in (
+        ("block_q", block_q),
+        ("pages_per_step", pages_per_step),
+        ("num_kv_splits", num_kv_splits),
+    ):
+        if value is not None and not _is_positive_int(value):
+            raise ValueError(f"{name} must be None or a positive int; got {value!r}")
+    if pages_per_step is not None and backend == "pallas_tpu":
+        raise ValueError("pages_per_step is not a pallas_tpu option (it copies one page a step)")
+    if num_kv_splits is not None and backend != "pallas_gpu":
+        raise ValueError(f"num_kv_splits is a pallas_gpu option; got backend={backend!r}")

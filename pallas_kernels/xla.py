@@ -1,15 +1,22 @@
 """Ragged paged attention in pure jnp: the CPU production path and the kernels' reference.
 
-Layout: q [T, Hq, D]; k_pages, v_pages [num_blocks, block_size, Hkv, D] (one layer); the query
-heads of kv head h are h * G .. h * G + G - 1 with G = Hq // Hkv (GQA).
+Layout: q [T, Hq, D]; k_cache, v_cache [L, num_blocks, block_size, Hkv, D] (all layers stacked;
+a single-layer [num_blocks, block_size, Hkv, D] cache is the L = 1 case); the query heads of kv
+head h are h * G .. h * G + G - 1 with G = Hq // Hkv (GQA).
 
-Walkthrough of one call:
-  1. Cut the token axis into query blocks of `block_q` rows, each inside one sequence
-     (metadata.py); gather q into [NB, block_q, Hkv, G, D].
+Once per step, `prepare_xla` (through prepare_attention_metadata) cuts the token axis into query
+blocks of `block_q` rows, each inside one sequence (metadata.py), gives each block its page range,
+and stores the block tables per query block, [NB, max_blocks_per_seq padded to pages_per_step],
+plus the loop's first and last step.
+
+Walkthrough of one layer's call:
+  1. Gather q into [NB, block_q, Hkv, G, D] (scaled by sm_scale, float32).
   2. A while loop walks the block tables `pages_per_step` pages at a time, from the first page any
      block needs to the last page of the longest real context (a device value: padding blocks and
      short contexts cost nothing past that). Each step gathers only those pages of each block's
-     sequence, [NB, pages_per_step * block_size, Hkv, D]; the whole context is never materialized.
+     sequence, [NB, pages_per_step * block_size, Hkv, D], straight from the stacked cache viewed
+     as [L * num_blocks, block_size, Hkv, D] (a bitcast) at rows layer * num_blocks + page id:
+     no per-layer slice or copy of the cache, and the whole context is never materialized.
   3. Online softmax in float32 (running max m, sum denom, accumulator acc), masked causally by
      position, by the sliding window, and to the block's real rows.
   4. out = acc / l, gathered back to [T, Hq, D]; padding tokens get zeros.
@@ -26,55 +33,81 @@ def choose_pages_per_step(block_size: int, max_blocks_per_seq: int) -> int:
     return max(1, min(max_blocks_per_seq, 128 // block_size))
 
 
-def ragged_paged_attention_xla(
-    q,
-    k_pages,
-    v_pages,
+def prepare_xla(
     seq_lens,
     block_tables,
     query_start_loc,
     num_seqs,
+    shapes: validation.BatchShapes,
     *,
+    sliding_window: int | None,
+    block_q: int | None = None,
+    pages_per_step: int | None = None,
+) -> metadata.AttentionMetadata:
+    """The xla path's AttentionMetadata (inputs already validated by prepare_attention_metadata)."""
+    bq = block_q or metadata.choose_block_q(shapes.num_tokens, shapes.max_num_seqs, shapes.group)
+    pps = pages_per_step or choose_pages_per_step(shapes.block_size, shapes.max_blocks_per_seq)
+
+    def layout_tables(tables, blocks):  # int32[NB, mb padded to pps]: one row per query block
+        return metadata.pad_columns(tables, pps)[blocks.seq_ids]
+
+    return metadata.build_attention_metadata(
+        seq_lens,
+        block_tables,
+        query_start_loc,
+        num_seqs,
+        shapes=shapes,
+        backend="xla",
+        block_q=bq,
+        group_pad=shapes.group,
+        pages_per_step=pps,
+        num_kv_splits=1,
+        sliding_window=sliding_window,
+        layout_tables=layout_tables,
+    )
+
+
+def ragged_paged_attention_xla(
+    q,
+    k_cache,
+    v_cache,
+    md: metadata.AttentionMetadata,
+    *,
+    layer=None,
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
-    block_q: int | None = None,
-    pages_per_step: int | None = None,
 ):
-    """Public entry of the jnp path: validates shapes (ValueError) and returns [T, Hq, D]."""
-    shapes = validation.check_attention_inputs(
-        q, k_pages, v_pages, seq_lens, block_tables, query_start_loc, num_seqs
-    )
+    """One layer of the jnp path: validates shapes (ValueError) and returns [T, Hq, D] in q.dtype.
+
+    k_cache, v_cache: [L, num_blocks, block_size, Hkv, D] with layer a Python int or a traced
+    int32 scalar in [0, L), or [num_blocks, block_size, Hkv, D] with layer=None.
+    """
+    cache = validation.check_layer_inputs(q, k_cache, v_cache, md, layer, "xla")
     validation.check_options(sm_scale, sliding_window, soft_cap, "xla")
-    q, k_pages, v_pages, block_tables = map(jnp.asarray, (q, k_pages, v_pages, block_tables))
+    validation.check_window_fits(md, sliding_window)
+    q = jnp.asarray(q)
     T, Hq, D = q.shape
-    Hkv, G, bs = shapes.num_kv_heads, shapes.group, shapes.block_size
-    mb = shapes.max_blocks_per_seq
-    bq = block_q or metadata.choose_block_q(T, shapes.max_num_seqs, G)
-    pps = pages_per_step or choose_pages_per_step(bs, mb)
-    kv_step = pps * bs
+    Hkv, G, bq, pps = md.num_kv_heads, md.group, md.block_q, md.pages_per_step
+    nb, num_blocks = md.num_query_blocks, cache.num_blocks
+    kv_step = pps * md.block_size
+    blocks = md.blocks
+    # All layers' pages as rows of one array: free views, never a copy of the cache.
+    page_shape = (cache.num_layers * num_blocks, md.block_size, Hkv, D)
+    k_pages = jnp.reshape(k_cache, page_shape)
+    v_pages = jnp.reshape(v_cache, page_shape)
+    page_base = validation.layer_index(layer) * num_blocks  # int (static) or int32[] (traced)
 
-    md = metadata.compute_block_metadata(
-        seq_lens, query_start_loc, num_seqs, num_tokens=T, block_q=bq
-    )
-    lo, hi = metadata.kv_page_range(md, block_size=bs, sliding_window=sliding_window)
-    nb = md.q_lens.shape[0]
-    real = md.q_lens > 0
-    first_step = jnp.min(jnp.where(real, lo, mb)) // pps
-    last_step = (jnp.max(jnp.where(real, hi, 0)) + pps - 1) // pps
-    first_step = jnp.minimum(first_step, last_step)
-
-    qb = metadata.gather_query_blocks(q, md, block_q=bq)  # [NB, bq, Hq, D]
+    qb = metadata.gather_query_blocks(q, blocks, block_q=bq)  # [NB, bq, Hq, D]
     qb = qb.astype(jnp.float32).reshape(nb, bq, Hkv, G, D) * jnp.float32(sm_scale)
-    tables = block_tables.astype(jnp.int32)[md.seq_ids]  # [NB, max_blocks_per_seq]
     rows = jnp.arange(bq, dtype=jnp.int32)
-    row_pos = md.first_pos[:, None] + rows[None, :]  # [NB, bq]
-    row_ok = rows[None, :] < md.q_lens[:, None]  # [NB, bq]
+    row_pos = blocks.first_pos[:, None] + rows[None, :]  # [NB, bq]
+    row_ok = rows[None, :] < blocks.q_lens[:, None]  # [NB, bq]
 
     def body(step, carry):
         m, denom, acc = carry
-        page_idx = step * pps + jnp.arange(pps, dtype=jnp.int32)
-        ids = tables[:, jnp.minimum(page_idx, mb - 1)]  # [NB, pps]
+        ids = jax.lax.dynamic_slice_in_dim(md.tables, step * pps, pps, axis=1)  # [NB, pps]
+        ids = ids + page_base
         k = k_pages[ids].reshape(nb, kv_step, Hkv, D).astype(jnp.float32)
         v = v_pages[ids].reshape(nb, kv_step, Hkv, D).astype(jnp.float32)
         s = jnp.einsum("nqhgd,nkhd->nqhgk", qb, k)  # [NB, bq, Hkv, G, kv_step]
@@ -98,7 +131,7 @@ def ragged_paged_attention_xla(
         jnp.zeros((nb, bq, Hkv, G), jnp.float32),
         jnp.zeros((nb, bq, Hkv, G, D), jnp.float32),
     )
-    _, denom, acc = jax.lax.fori_loop(first_step, last_step, body, init)
+    _, denom, acc = jax.lax.fori_loop(md.first_step, md.last_step, body, init)
     out = acc / jnp.where(denom == 0.0, 1.0, denom)[..., None]
     out = out.reshape(nb, bq, Hq, D).astype(q.dtype)
-    return metadata.scatter_query_blocks(out, md)
+    return metadata.scatter_query_blocks(out, blocks)

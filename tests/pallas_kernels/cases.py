@@ -1,8 +1,15 @@
-"""Random ragged batches and a float64 numpy oracle for the ragged paged-attention contract."""
+"""Random ragged batches, a float64 numpy oracle, and the call through the public API.
+
+A batch is a dict of numpy arrays: the contract's q, k_pages, v_pages (one layer,
+[num_blocks, block_size, Hkv, D]), seq_lens, block_tables, query_start_loc, num_seqs.
+`make_stacked_batch` adds a stacked [L, ...] cache and this step's new K/V with its slot_mapping.
+"""
 
 import dataclasses
 
 import numpy as np
+
+BATCH_KEYS = ("seq_lens", "block_tables", "query_start_loc", "num_seqs")
 
 GARBAGE = 50.0  # magnitude of values in cache slots no query may see (leaks are obvious)
 
@@ -71,6 +78,110 @@ def make_batch(case: Case) -> dict:
         block_tables=block_tables,
         query_start_loc=qsl,
         num_seqs=np.int32(num_real),
+    )
+
+
+def make_stacked_batch(case: Case, num_layers: int) -> dict:
+    """A step over a stacked cache: layer 0 is make_batch(case), each other layer its own K/V/q.
+
+    Returns the batch arrays plus q [L, T, Hq, D], k_cache, v_cache [L, num_blocks, bs, Hkv, D]
+    BEFORE this step's write (the new tokens' slots hold garbage), k_new, v_new [L, T, Hkv, D]
+    and slot_mapping int32[T] (padding tokens at -1, which write_kv must drop), and
+    `written`: per layer, the single-layer batch dict the oracle sees after the write.
+    """
+    base = make_batch(case)
+    bs = case.block_size
+    tables, qsl, seq_lens = base["block_tables"], base["query_start_loc"], base["seq_lens"]
+    T = base["q"].shape[0]
+    slots = np.full(T, -1, np.int32)
+    for s in range(int(base["num_seqs"])):
+        q_len = int(qsl[s + 1] - qsl[s])
+        for i in range(q_len):
+            pos = int(seq_lens[s]) - q_len + i
+            slots[int(qsl[s]) + i] = tables[s, pos // bs] * bs + pos % bs
+    live = slots >= 0
+    dtype = base["q"].dtype
+    qs, k_caches, v_caches, k_news, v_news, written = [], [], [], [], [], []
+    for layer in range(num_layers):
+        rng = np.random.default_rng((case.seed, layer))
+        if layer == 0:
+            q, k_after, v_after = base["q"], base["k_pages"], base["v_pages"]
+        else:
+            q = rng.normal(size=base["q"].shape).astype(dtype)
+            k_after = rng.uniform(-GARBAGE, GARBAGE, base["k_pages"].shape)
+            v_after = rng.uniform(-GARBAGE, GARBAGE, base["v_pages"].shape)
+            for s in range(int(base["num_seqs"])):
+                pos = np.arange(int(seq_lens[s]))
+                where = (tables[s, pos // bs], pos % bs)
+                k_after[where] = rng.normal(size=(len(pos), *k_after.shape[2:]))
+                v_after[where] = rng.normal(size=(len(pos), *v_after.shape[2:]))
+            k_after, v_after = k_after.astype(dtype), v_after.astype(dtype)
+        k_new = rng.normal(size=(T, *k_after.shape[2:])).astype(dtype)
+        v_new = rng.normal(size=(T, *v_after.shape[2:])).astype(dtype)
+        k_new[live] = k_after.reshape(-1, *k_after.shape[2:])[slots[live]]
+        v_new[live] = v_after.reshape(-1, *v_after.shape[2:])[slots[live]]
+        k_before, v_before = k_after.copy(), v_after.copy()
+        flat_shape = (-1, *k_after.shape[2:])
+        garbage = rng.uniform(-GARBAGE, GARBAGE, (int(live.sum()), *k_after.shape[2:]))
+        k_before.reshape(flat_shape)[slots[live]] = garbage.astype(dtype)
+        v_before.reshape(flat_shape)[slots[live]] = -garbage.astype(dtype)
+        qs.append(q)
+        k_caches.append(k_before)
+        v_caches.append(v_before)
+        k_news.append(k_new)
+        v_news.append(v_new)
+        written.append({**base, "q": q, "k_pages": k_after, "v_pages": v_after})
+    return dict(
+        **{key: base[key] for key in BATCH_KEYS},
+        q=np.stack(qs),
+        k_cache=np.stack(k_caches),
+        v_cache=np.stack(v_caches),
+        k_new=np.stack(k_news),
+        v_new=np.stack(v_news),
+        slot_mapping=slots,
+        written=written,
+    )
+
+
+def prepare(batch: dict, *, backend: str, sliding_window=None, **tuning):
+    """prepare_attention_metadata with the static sizes read off the batch (q [..., T, Hq, D])."""
+    from pallas_kernels import prepare_attention_metadata
+
+    num_tokens, num_q_heads, head_dim = batch["q"].shape[-3:]
+    cache = batch["k_pages"] if "k_pages" in batch else batch["k_cache"]
+    return prepare_attention_metadata(
+        *(batch[key] for key in BATCH_KEYS),
+        num_tokens=num_tokens,
+        num_q_heads=num_q_heads,
+        num_kv_heads=cache.shape[-2],
+        block_size=cache.shape[-3],
+        backend=backend,
+        sliding_window=sliding_window,
+        head_dim=head_dim,
+        **tuning,
+    )
+
+
+def attend(batch: dict, *, backend: str, options: dict, interpret=False, **tuning):
+    """One-layer attention through the public API: prepare, then the per-layer call (no jit)."""
+    from pallas_kernels import ragged_paged_attention
+
+    md = prepare(batch, backend=backend, sliding_window=options.get("sliding_window"), **tuning)
+    return ragged_paged_attention(
+        batch["q"],
+        batch["k_pages"],
+        batch["v_pages"],
+        md,
+        backend=backend,
+        interpret=interpret,
+        **options,
+    )
+
+
+def case_options(case: Case) -> dict:
+    """The case's static attention options."""
+    return dict(
+        sm_scale=case.head_dim**-0.5, sliding_window=case.sliding_window, soft_cap=case.soft_cap
     )
 
 

@@ -9,21 +9,25 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import ragged_paged_attention, resolve_backend
-from pallas_kernels.gpu import ragged_paged_attention_gpu
-from tests.pallas_kernels.cases import make_batch, oracle, random_cases, tolerance
+from pallas_kernels import resolve_backend
+from tests.pallas_kernels.cases import (
+    attend,
+    case_options,
+    make_batch,
+    oracle,
+    random_cases,
+    tolerance,
+)
 
 CASES = random_cases(24)
 
 
-def _compiled_matches_oracle(case, platform, fn):
+def _compiled_matches_oracle(case, platform, backend, **tuning):
     device = jax.devices(platform)[0]
     batch = make_batch(case)
-    options = dict(
-        sm_scale=case.head_dim**-0.5, sliding_window=case.sliding_window, soft_cap=case.soft_cap
-    )
+    options = case_options(case)
     args = jax.device_put({k: jnp.asarray(v) for k, v in batch.items()}, device)
-    out = jax.jit(lambda b: fn(**b, **options))(args)
+    out = jax.jit(lambda b: attend(b, backend=backend, options=options, **tuning))(args)
     assert out.devices() == {device}
     got = np.asarray(out.astype(jnp.float32))
     np.testing.assert_allclose(got, oracle(batch, **options), **tolerance(case))
@@ -34,14 +38,10 @@ def _compiled_matches_oracle(case, platform, fn):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_gpu_kernel_compiled(case, num_kv_splits):
     assert resolve_backend("auto", "gpu") == "pallas_gpu"
-    _compiled_matches_oracle(
-        case, "gpu", lambda **kw: ragged_paged_attention_gpu(**kw, num_kv_splits=num_kv_splits)
-    )
+    _compiled_matches_oracle(case, "gpu", "pallas_gpu", num_kv_splits=num_kv_splits)
 
 
 @pytest.mark.tpu
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_tpu_kernel_compiled(case):
-    _compiled_matches_oracle(
-        case, "tpu", lambda **kw: ragged_paged_attention(**kw, backend="pallas_tpu")
-    )
+    _compiled_matches_oracle(case, "tpu", "pallas_tpu")

@@ -1,4 +1,9 @@
-"""write_kv: values land at their slots, out-of-range slots are dropped, and it runs in place."""
+"""write_kv: values land at their slots, out-of-range slots are dropped, and it runs in place.
+
+Both layouts: the single-layer [num_blocks, block_size, Hkv, D] cache (layer=None) and the
+stacked [L, num_blocks, block_size, Hkv, D] cache with a static layer and with a traced layer
+inside lax.scan (the cache as the scan carry).
+"""
 
 import re
 
@@ -10,6 +15,7 @@ import pytest
 from pallas_kernels import write_kv
 
 NUM_BLOCKS, BLOCK_SIZE, HKV, D = 6, 4, 2, 8
+NUM_LAYERS = 3
 
 
 def _cache(seed=0):
@@ -78,6 +84,113 @@ def test_write_kv_is_in_place_under_donation():
     k_out, v_out = compiled(k_pages, v_pages, k, k, slots)
     assert k_pages.is_deleted() and v_pages.is_deleted()
     assert (k_out.unsafe_buffer_pointer(), v_out.unsafe_buffer_pointer()) == ptrs
+
+
+def _stacked_cache(seed=0):
+    rng = np.random.default_rng(seed)
+    shape = (NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, HKV, D)
+    return rng.normal(size=shape).astype(np.float32), rng.normal(size=shape).astype(np.float32)
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["static-layer", "traced-layer"])
+def test_write_kv_stacked_writes_only_its_layer(traced):
+    k_cache, v_cache = _stacked_cache()
+    rng = np.random.default_rng(2)
+    # Slot 24 (== num_blocks * block_size) and -1 are out of range: they must not reach the next
+    # or the previous layer either.
+    slots = np.array([0, 5, 23, 24, -1, 1000, 11], np.int32)
+    k = rng.normal(size=(len(slots), HKV, D)).astype(np.float32)
+    v = rng.normal(size=(len(slots), HKV, D)).astype(np.float32)
+    for layer in range(NUM_LAYERS):
+        if traced:
+            fn = jax.jit(lambda kc, vc, k, v, s, layer: write_kv(kc, vc, k, v, s, layer=layer))
+            k_out, v_out = fn(k_cache, v_cache, k, v, slots, jnp.int32(layer))
+        else:
+            k_out, v_out = jax.jit(write_kv, static_argnums=5)(k_cache, v_cache, k, v, slots, layer)
+        want_k, want_v = k_cache.copy(), v_cache.copy()
+        want_k[layer], want_v[layer] = _expected(k_cache[layer], v_cache[layer], k, v, slots)
+        np.testing.assert_array_equal(k_out, want_k)
+        np.testing.assert_array_equal(v_out, want_v)
+
+
+def _assert_no_cache_copy(compiled, cache_shape):
+    hlo = compiled.as_text()
+    assert "input_output_alias" in hlo
+    L, nb, bs, hkv, d = cache_shape
+    shapes = [
+        f"f32[{L},{nb},{bs},{hkv},{d}]",  # the stacked cache
+        f"f32[{L * nb * bs},{hkv},{d}]",  # its flat row view
+        f"f32[{nb},{bs},{hkv},{d}]",  # one layer
+        f"f32[1,{nb},{bs},{hkv},{d}]",
+        f"f32[{nb * bs},{hkv},{d}]",
+    ]
+    copies = [
+        line
+        for line in hlo.splitlines()
+        if re.search(r"\b(copy(-start)?|dynamic-slice|slice)\(", line)
+        and any(shape in line.split("=", 1)[-1].split("(", 1)[0] for shape in shapes)
+    ]
+    assert not copies, "cache copied:\n" + "\n".join(copies)
+    # Nothing cache-sized is allocated beside the (aliased) arguments.
+    one_layer = nb * bs * hkv * d * 4
+    assert compiled.memory_analysis().temp_size_in_bytes < one_layer
+    return hlo
+
+
+def test_write_kv_stacked_static_layer_is_in_place_under_donation():
+    k_cache, v_cache = (jnp.asarray(x) for x in _stacked_cache())
+    k = jnp.ones((3, HKV, D), jnp.float32)
+    slots = jnp.array([1, 2, -1], jnp.int32)
+    fn = jax.jit(lambda kc, vc, k, v, s: write_kv(kc, vc, k, v, s, layer=1), donate_argnums=(0, 1))
+    compiled = fn.lower(k_cache, v_cache, k, k, slots).compile()
+    hlo = _assert_no_cache_copy(compiled, k_cache.shape)
+    assert hlo.count(" scatter(") == 2, "expected exactly one scatter per cache array"
+    ptrs = (k_cache.unsafe_buffer_pointer(), v_cache.unsafe_buffer_pointer())
+    k_out, v_out = compiled(k_cache, v_cache, k, k, slots)
+    assert k_cache.is_deleted() and v_cache.is_deleted()
+    assert (k_out.unsafe_buffer_pointer(), v_out.unsafe_buffer_pointer()) == ptrs
+
+
+def test_write_kv_traced_layer_in_scan_is_in_place():
+    """A lax.scan over layers with the stacked cache as the carry, one write per layer."""
+    k_cache, v_cache = (jnp.asarray(x) for x in _stacked_cache())
+    rng = np.random.default_rng(3)
+    k = jnp.asarray(rng.normal(size=(NUM_LAYERS, 3, HKV, D)).astype(np.float32))
+    slots = jnp.array([1, 2, -1], jnp.int32)
+
+    def step(k_cache, v_cache, k, slots):
+        def body(carry, xs):
+            layer, k_layer = xs
+            return write_kv(*carry, k_layer, 2 * k_layer, slots, layer=layer), None
+
+        xs = (jnp.arange(NUM_LAYERS, dtype=jnp.int32), k)
+        return jax.lax.scan(body, (k_cache, v_cache), xs)[0]
+
+    want_k, want_v = np.array(k_cache), np.array(v_cache)
+    for layer in range(NUM_LAYERS):
+        want_k[layer], want_v[layer] = _expected(
+            want_k[layer], want_v[layer], np.asarray(k[layer]), 2 * np.asarray(k[layer]), [1, 2, -1]
+        )
+    fn = jax.jit(step, donate_argnums=(0, 1))
+    compiled = fn.lower(k_cache, v_cache, k, slots).compile()
+    hlo = _assert_no_cache_copy(compiled, k_cache.shape)
+    assert "while" in hlo
+    ptrs = (k_cache.unsafe_buffer_pointer(), v_cache.unsafe_buffer_pointer())
+    k_out, v_out = compiled(k_cache, v_cache, k, slots)
+    assert (k_out.unsafe_buffer_pointer(), v_out.unsafe_buffer_pointer()) == ptrs
+    np.testing.assert_array_equal(k_out, want_k)
+    np.testing.assert_array_equal(v_out, want_v)
+
+
+def test_write_kv_rejects_bad_layers():
+    k_cache, v_cache = _stacked_cache()
+    k = np.zeros((2, HKV, D), np.float32)
+    slots = np.zeros((2,), np.int32)
+    for layer, match in ((None, "needs layer"), (NUM_LAYERS, "layer must be in"), (-1, "in")):
+        with pytest.raises(ValueError, match=match):
+            write_kv(k_cache, v_cache, k, k, slots, layer=layer)
+    with pytest.raises(ValueError, match="layer=None"):
+        write_kv(k_cache[0], v_cache[0], k, k, slots, layer=0)
 
 
 @pytest.mark.parametrize(

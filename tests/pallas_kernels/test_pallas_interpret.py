@@ -12,19 +12,27 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import ragged_paged_attention
-from pallas_kernels.gpu import default_num_splits, ragged_paged_attention_gpu
+from pallas_kernels.gpu import default_num_splits
 from pallas_kernels.tpu import ragged_paged_attention_tpu
-from tests.pallas_kernels.cases import Case, make_batch, oracle, random_cases, tolerance
+from tests.pallas_kernels.cases import (
+    Case,
+    attend,
+    case_options,
+    make_batch,
+    oracle,
+    prepare,
+    random_cases,
+    tolerance,
+)
 
 CASES = random_cases(24)
 
 
 def _check(case: Case, fn):
+    """fn(batch, options) -> [T, Hq, D], run under jit against the oracle."""
     batch = make_batch(case)
-    sm_scale = case.head_dim**-0.5
-    options = dict(sm_scale=sm_scale, sliding_window=case.sliding_window, soft_cap=case.soft_cap)
-    out = jax.jit(lambda b: fn(**b, **options))({k: jnp.asarray(v) for k, v in batch.items()})
+    options = case_options(case)
+    out = jax.jit(lambda b: fn(b, options))({k: jnp.asarray(v) for k, v in batch.items()})
     assert out.shape == batch["q"].shape and out.dtype == batch["q"].dtype
     got = np.asarray(out.astype(jnp.float32))
     np.testing.assert_allclose(got, oracle(batch, **options), **tolerance(case))
@@ -35,8 +43,9 @@ def _check(case: Case, fn):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_gpu_kernel_interpret(case):
     """Through the public entry (backend="pallas_gpu", interpret=True); the split-K heuristic
-    picks 1 or 2 splits on these small batches, so both paths are also forced just below."""
-    _check(case, lambda **kw: ragged_paged_attention(**kw, backend="pallas_gpu", interpret=True))
+    picks 1 or 2 splits on these small batches, so both paths are also forced just below
+    (through prepare_attention_metadata's num_kv_splits / pages_per_step)."""
+    _check(case, lambda b, o: attend(b, backend="pallas_gpu", options=o, interpret=True))
 
 
 GPU_VARIANTS = {
@@ -49,8 +58,8 @@ GPU_VARIANTS = {
 @pytest.mark.parametrize("variant", GPU_VARIANTS)
 @pytest.mark.parametrize("case", CASES[::4] + CASES[1::8], ids=lambda c: c.name)
 def test_gpu_kernel_interpret_variants(case, variant):
-    options = GPU_VARIANTS[variant]
-    _check(case, lambda **kw: ragged_paged_attention_gpu(**kw, **options, interpret=True))
+    tuning = GPU_VARIANTS[variant]
+    _check(case, lambda b, o: attend(b, backend="pallas_gpu", options=o, interpret=True, **tuning))
 
 
 def test_gpu_split_heuristic_splits_small_grids_only():
@@ -61,7 +70,7 @@ def test_gpu_split_heuristic_splits_small_grids_only():
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_tpu_kernel_interpret(case):
-    _check(case, lambda **kw: ragged_paged_attention(**kw, backend="pallas_tpu", interpret=True))
+    _check(case, lambda b, o: attend(b, backend="pallas_tpu", options=o, interpret=True))
 
 
 TINY_TPU_CASES = [
@@ -104,6 +113,13 @@ def test_tpu_kernel_race_detection_and_nan_memory(case):
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpreter
 
     params = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
-    _check(case, lambda **kw: ragged_paged_attention_tpu(**kw, interpret=params))
+
+    def run(b, options):
+        md = prepare(b, backend="pallas_tpu", sliding_window=options["sliding_window"])
+        return ragged_paged_attention_tpu(
+            b["q"], b["k_pages"], b["v_pages"], md, **options, interpret=params
+        )
+
+    _check(case, run)
     assert tpu_interpreter.races is not None, "race detection did not run"
     assert not tpu_interpreter.races.races_found

@@ -1,12 +1,24 @@
-"""The pure-jnp path against the float64 oracle, plus shape validation and recompilation."""
+"""The pure-jnp path against the float64 oracle, plus shape validation and recompilation.
+
+Stacked multi-layer caches (static and scanned layers) are in test_layers.py."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import ragged_paged_attention
-from tests.pallas_kernels.cases import Case, make_batch, oracle, random_cases, tolerance
+from pallas_kernels import AttentionMetadata, prepare_attention_metadata, ragged_paged_attention
+from tests.pallas_kernels.cases import (
+    BATCH_KEYS,
+    Case,
+    attend,
+    case_options,
+    make_batch,
+    oracle,
+    prepare,
+    random_cases,
+    tolerance,
+)
 
 CASES = random_cases(24)
 EDGE_CASES = [
@@ -45,23 +57,12 @@ EDGE_CASES = [
 ]
 
 
-def _run(case: Case, backend="xla", **kwargs):
+def _run(case: Case, backend="xla", **tuning):
     batch = make_batch(case)
-    sm_scale = case.head_dim**-0.5
-    fn = jax.jit(
-        lambda b: ragged_paged_attention(
-            **b,
-            sm_scale=sm_scale,
-            sliding_window=case.sliding_window,
-            soft_cap=case.soft_cap,
-            backend=backend,
-            **kwargs,
-        )
-    )
+    options = case_options(case)
+    fn = jax.jit(lambda b: attend(b, backend=backend, options=options, **tuning))
     out = fn({k: jnp.asarray(v) for k, v in batch.items()})
-    want = oracle(
-        batch, sm_scale=sm_scale, sliding_window=case.sliding_window, soft_cap=case.soft_cap
-    )
+    want = oracle(batch, **options)
     return np.asarray(out.astype(jnp.float32)), want, out.dtype, batch
 
 
@@ -72,6 +73,34 @@ def test_xla_matches_oracle(case):
     np.testing.assert_allclose(got, want, **tolerance(case))
     live = int(batch["query_start_loc"][int(batch["num_seqs"])])
     assert not np.any(got[live:]), "padding tokens must be zeros"
+
+
+@pytest.mark.parametrize("tuning", [dict(block_q=1, pages_per_step=1), dict(block_q=16)])
+def test_xla_tuning_overrides(tuning):
+    case = EDGE_CASES[0]
+    got, want, _, _ = _run(case, **tuning)
+    np.testing.assert_allclose(got, want, **tolerance(case))
+
+
+def test_metadata_is_a_pytree_with_static_choices():
+    batch = {k: jnp.asarray(v) for k, v in make_batch(EDGE_CASES[0]).items()}
+    md = prepare(batch, backend="xla")
+    assert isinstance(md, AttentionMetadata)
+    leaves, treedef = jax.tree_util.tree_flatten(md)
+    assert all(isinstance(x, jax.Array) for x in leaves)
+    assert md.backend == "xla" and md.block_q >= 1 and md.pages_per_step >= 1
+    assert md.tables.shape == (md.num_query_blocks, md.tables.shape[1])
+    assert md.tables.shape[1] % md.pages_per_step == 0
+    # Passed across a jit boundary, then used by the per-layer call.
+    options = case_options(EDGE_CASES[0])
+    fn = jax.jit(
+        lambda m, b: ragged_paged_attention(b["q"], b["k_pages"], b["v_pages"], m, **options)
+    )
+    np.testing.assert_allclose(
+        fn(md, batch), oracle(make_batch(EDGE_CASES[0]), **options), atol=2e-5, rtol=2e-5
+    )
+    rebuilt = jax.tree_util.tree_unflatten(treedef, leaves)
+    assert rebuilt.block_q == md.block_q and rebuilt.tables is md.tables
 
 
 def test_no_recompile_when_counts_change():
@@ -88,7 +117,7 @@ def test_no_recompile_when_counts_change():
         b["block_tables"][:, : a["block_tables"].shape[1]], a["k_pages"].shape[0] - 1
     )
     assert {k: np.shape(v) for k, v in a.items()} == {k: np.shape(v) for k, v in b.items()}
-    fn = jax.jit(lambda x: ragged_paged_attention(**x, sm_scale=0.125))
+    fn = jax.jit(lambda x: attend(x, backend="xla", options=dict(sm_scale=0.125)))
     for batch in (a, b, a):
         out = fn({k: jnp.asarray(v) for k, v in batch.items()})
         np.testing.assert_allclose(out, oracle(batch, sm_scale=0.125), atol=2e-5, rtol=2e-5)
@@ -100,37 +129,113 @@ def test_num_seqs_as_shape_one():
     batch = make_batch(case)
     want = oracle(batch, sm_scale=0.125)
     batch["num_seqs"] = np.array([batch["num_seqs"]], np.int32)
-    out = ragged_paged_attention(**{k: jnp.asarray(v) for k, v in batch.items()}, sm_scale=0.125)
+    out = attend(
+        {k: jnp.asarray(v) for k, v in batch.items()}, backend="xla", options=dict(sm_scale=0.125)
+    )
     np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
+
+
+GOOD_BATCH = dict(
+    seq_lens=np.zeros((2,), np.int32),
+    block_tables=np.zeros((2, 3), np.int32),
+    query_start_loc=np.zeros((3,), np.int32),
+    num_seqs=np.int32(0),
+)
+GOOD_SIZES = dict(num_tokens=4, num_q_heads=4, num_kv_heads=2, block_size=16, backend="xla")
 
 
 @pytest.mark.parametrize(
     "field, value, match",
     [
-        ("q", np.zeros((4, 2, 64), np.float32)[None], "q must be"),
-        ("q", np.zeros((4, 4, 32), np.float32), "head_dim"),
-        ("v_pages", np.zeros((5, 16, 2, 32), np.float32), "v_pages must match"),
         ("seq_lens", np.zeros((3,), np.int32), "block_tables must be"),
+        ("seq_lens", np.zeros((2, 1), np.int32), "seq_lens must be"),
         ("query_start_loc", np.zeros((2,), np.int32), "query_start_loc must be"),
         ("num_seqs", np.zeros((2,), np.int32), "num_seqs must be"),
         ("block_tables", np.zeros((2, 3), np.float32), "block_tables must be an integer"),
-        ("q", np.zeros((4, 3, 64), np.float32), "multiple of"),
+        ("block_tables", np.zeros((2, 0), np.int32), "max_blocks_per_seq"),
+        ("num_q_heads", 3, "multiple of"),
+        ("num_tokens", 0, "num_tokens"),
+        ("block_size", 16.0, "block_size"),
+        ("head_dim", -1, "head_dim"),
+        ("backend", "pallas", "backend"),
+        ("sliding_window", 0, "sliding_window"),
+        ("num_kv_splits", 2, "num_kv_splits"),
+        ("block_q", 0, "block_q"),
     ],
 )
-def test_validation_names_the_argument(field, value, match):
-    good = dict(
-        q=np.zeros((4, 4, 64), np.float32),
-        k_pages=np.zeros((5, 16, 2, 64), np.float32),
-        v_pages=np.zeros((5, 16, 2, 64), np.float32),
-        seq_lens=np.zeros((2,), np.int32),
-        block_tables=np.zeros((2, 3), np.int32),
-        query_start_loc=np.zeros((3,), np.int32),
-        num_seqs=np.int32(0),
-    )
-    good[field] = value
+def test_prepare_validation_names_the_argument(field, value, match):
+    args, sizes = dict(GOOD_BATCH), dict(GOOD_SIZES)
+    (args if field in args else sizes)[field] = value
     with pytest.raises(ValueError, match=match) as info:
-        ragged_paged_attention(**good, sm_scale=0.125)
-    assert "(" in str(info.value)  # the message shows shapes or dtypes
+        prepare_attention_metadata(*(args[k] for k in BATCH_KEYS), **sizes)
+    assert "got" in str(info.value)  # shows what it saw
+
+
+def _good_layer_call():
+    md = prepare_attention_metadata(*(GOOD_BATCH[k] for k in BATCH_KEYS), **GOOD_SIZES)
+    return dict(
+        q=np.zeros((4, 4, 64), np.float32),
+        k_cache=np.zeros((3, 5, 16, 2, 64), np.float32),
+        v_cache=np.zeros((3, 5, 16, 2, 64), np.float32),
+        md=md,
+        layer=1,
+        sm_scale=0.125,
+    )
+
+
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("q", np.zeros((4, 4, 64), np.float32)[None], "q must be"),
+        ("q", np.zeros((4, 4, 32), np.float32), "head_dim"),
+        ("q", np.zeros((5, 4, 64), np.float32), "num_tokens"),
+        ("q", np.zeros((4, 4, 64), np.int32), "floating"),
+        ("v_cache", np.zeros((3, 5, 16, 2, 32), np.float32), "v_cache must match"),
+        ("k_cache", np.zeros((5, 16, 2, 64), np.float32), "layer=None"),
+        ("k_cache", np.zeros((16, 2, 64), np.float32), "k_cache must be"),
+        ("layer", None, "needs layer"),
+        ("layer", 3, "layer must be in"),
+        ("layer", -1, "layer must be in"),
+        ("layer", np.zeros((2,), np.int32), "layer must be"),
+        ("layer", np.float32(1), "layer must be"),
+        ("backend", "pallas_tpu", "md was prepared for backend"),
+        ("sliding_window", 0, "sliding_window"),
+    ],
+)
+def test_layer_call_validation_names_the_argument(field, value, match):
+    call = _good_layer_call()
+    if field == "k_cache":
+        call["v_cache"] = value
+    call[field] = value
+    q, k_cache, v_cache, md = (call.pop(k) for k in ("q", "k_cache", "v_cache", "md"))
+    with pytest.raises(ValueError, match=match) as info:
+        ragged_paged_attention(q, k_cache, v_cache, md, **call)
+    assert "got" in str(info.value)
+
+
+def test_layer_call_checks_cache_against_metadata():
+    call = _good_layer_call()
+    for k_cache in (
+        np.zeros((3, 5, 8, 2, 64), np.float32),
+        np.zeros((3, 5, 16, 1, 64), np.float32),
+    ):
+        with pytest.raises(ValueError, match="block_size and num_kv_heads"):
+            ragged_paged_attention(call["q"], k_cache, k_cache, call["md"], layer=0, sm_scale=0.1)
+
+
+def test_window_must_fit_the_metadata():
+    """Metadata cut for window W serves windows <= W; a wider (or no) window is an error."""
+    case = EDGE_CASES[1]  # sliding_window=5
+    batch = {k: jnp.asarray(v) for k, v in make_batch(case).items()}
+    md = prepare(batch, backend="xla", sliding_window=8)
+    args = (batch["q"], batch["k_pages"], batch["v_pages"], md)
+    out = ragged_paged_attention(*args, sm_scale=0.125, sliding_window=5)
+    np.testing.assert_allclose(
+        out, oracle(make_batch(case), sm_scale=0.125, sliding_window=5), atol=2e-5, rtol=2e-5
+    )
+    for window in (None, 9):
+        with pytest.raises(ValueError, match="sliding_window"):
+            ragged_paged_attention(*args, sm_scale=0.125, sliding_window=window)
 
 
 @pytest.mark.parametrize(
@@ -144,5 +249,6 @@ def test_validation_names_the_argument(field, value, match):
 )
 def test_option_validation(kwargs, match):
     batch = make_batch(Case("v", q_lens=(1,), kv_lens=(3,)))
+    md = prepare(batch, backend="xla")
     with pytest.raises(ValueError, match=match):
-        ragged_paged_attention(**batch, **kwargs)
+        ragged_paged_attention(batch["q"], batch["k_pages"], batch["v_pages"], md, **kwargs)
