@@ -2,7 +2,8 @@
 
 Ids 0..255 are the UTF-8 bytes; 256 is BOS and 257 is EOS when the vocabulary has room (random
 models of a real shape, e.g. `random:llama3-8b`, also take token-id prompts directly). It has the
-interface of `text.tokenizer.Tokenizer`, including a small ChatML-like chat template.
+interface of `text.tokenizer.Tokenizer`, including a small ChatML-like chat template. It has no
+special tokens in text, so `encode_chat` is the plain rendering's bytes.
 """
 
 from __future__ import annotations
@@ -40,3 +41,8 @@ class ByteTokenizer:
                 raise ValueError(f"messages[{i}] must have string 'role' and 'content'")
         template = ImmutableSandboxedEnvironment().from_string(self.chat_template)
         return template.render(messages=messages, add_generation_prompt=add_generation_prompt)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                    special_tokens_in_content: bool = False) -> list[int]:
+        """The rendered chat's bytes; no text can become a special token here."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)

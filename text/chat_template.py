@@ -5,10 +5,19 @@ The environment is sandboxed and immutable (a checkpoint's template is data, not
 the wild call: `raise_exception`, `strftime_now` and a `tojson` that keeps non-ASCII characters. The
 `{% generation %}` block (used by templates to mark assistant text for training masks) renders its
 body unchanged.
+
+`render_chat_pieces` renders the same conversation split into template text and message contents,
+so a tokenizer can encode the two differently: the template's own special tokens ("<|im_start|>")
+stay special, while the same characters typed into a message stay plain text (a user cannot forge
+a system turn). It renders with a unique placeholder in place of each content and checks that
+putting the contents back gives exactly the plain rendering; a template that transforms contents
+(trims, slices, escapes them) cannot be split that way and yields None.
 """
 
 import datetime
 import json
+import re
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -20,6 +29,14 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 class ChatTemplateError(ValueError):
     """The template cannot be compiled, or it raised while rendering (e.g. via raise_exception)."""
+
+
+class ChatContentError(ChatTemplateError):
+    """A message's content cannot be kept as plain text under this template; `param` names it."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
 
 
 class _GenerationBlock(jinja2.ext.Extension):
@@ -98,3 +115,37 @@ def render_chat_template(
         raise
     except jinja2.TemplateError as e:
         raise ChatTemplateError(f"rendering the chat template failed: {e}") from e
+
+
+def render_chat_pieces(
+    template: jinja2.Template,
+    messages: Sequence[Mapping[str, Any]],
+    add_generation_prompt: bool,
+    special_tokens: Mapping[str, str | None],
+    rendered: str,
+    **kwargs: Any,
+) -> list[tuple[str, bool]] | None:
+    """`rendered` (the plain rendering of `messages`) as (text, is_content) pieces, or None when
+    the template does not copy contents verbatim. Pieces joined equal `rendered`."""
+    nonce = uuid.uuid4().hex
+    marks = [f"\ue000{nonce}:{i}\ue001" for i in range(len(messages))]
+    marked = [dict(m, content=marks[i]) for i, m in enumerate(messages)]
+    try:
+        skeleton = render_chat_template(template, marked, add_generation_prompt, special_tokens, **kwargs)
+    except ChatTemplateError:
+        return None  # the template looks at contents (e.g. raises on a marker): no split
+    pattern = re.compile("\ue000" + nonce + ":(\\d+)\ue001")
+    pieces: list[tuple[str, bool]] = []
+    at = 0
+    for match in pattern.finditer(skeleton):
+        if match.start() > at:
+            pieces.append((skeleton[at:match.start()], False))
+        content = messages[int(match.group(1))]["content"]
+        if content:
+            pieces.append((content, True))
+        at = match.end()
+    if at < len(skeleton):
+        pieces.append((skeleton[at:], False))
+    if "".join(text for text, _ in pieces) != rendered:
+        return None
+    return pieces

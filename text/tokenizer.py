@@ -10,12 +10,17 @@
    `add_special_tokens=False`.
 3. `decode` turns ids back into text, dropping special (control) tokens unless asked to keep them;
    streaming goes through `IncrementalDetokenizer` (text/detokenizer.py).
-4. `apply_chat_template` renders the checkpoint's Jinja template (text/chat_template.py).
+4. `apply_chat_template` renders the checkpoint's Jinja template (text/chat_template.py);
+   `encode_chat` renders and encodes it so that text inside a message never becomes a special
+   token (only the template's own special tokens are special), unless the caller trusts it.
+5. Encoding releases the GIL (the `tokenizers` batch path), so a server can tokenize a large
+   prompt on a worker thread while its event loop keeps answering.
 """
 
 import os
 import pathlib
 import re
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -23,7 +28,13 @@ import gguf
 import sentencepiece
 import tokenizers
 
-from text.chat_template import compile_chat_template, render_chat_template, validate_messages
+from text.chat_template import (
+    ChatContentError,
+    compile_chat_template,
+    render_chat_pieces,
+    render_chat_template,
+    validate_messages,
+)
 from text.detokenizer import IncrementalDetokenizer
 from text.tokenizer_gguf import gguf_tokenizer_spec
 from text.tokenizer_hf import check_path, hf_tokenizer_spec
@@ -58,8 +69,14 @@ class Tokenizer:
         self.chat_template: str | None = spec.chat_template
         self.special_token_ids: frozenset[int] = spec.special_token_ids
         self._compiled_template = None
+        self._plain_backend = None  # the tokenizers backend with special tokens read as text
+        self._plain_lock = threading.Lock()
         if self._is_sentencepiece:
             self._init_sentencepiece()
+        names = sorted((self.id_to_piece(i) for i in self.special_token_ids), key=len, reverse=True)
+        names = [n for n in names if n]
+        # Any special token's text, to spot it inside chat content.
+        self._special_text = re.compile("|".join(re.escape(n) for n in names)) if names else None
 
     def _init_sentencepiece(self) -> None:
         # SentencePiece reads control tokens written in text as plain characters; split them out.
@@ -91,13 +108,25 @@ class Tokenizer:
         if self._is_sentencepiece:
             ids = self._encode_sentencepiece(text)
         else:
-            ids = self._backend.encode(text, add_special_tokens=False).ids
+            ids = _encode_unlocked(self._backend, text)
         if add_special_tokens:
             if self.add_bos_token and self.bos_token_id is not None:
                 ids = [self.bos_token_id, *ids]
             if self.add_eos_token and self.eos_token_id is not None:
                 ids = [*ids, self.eos_token_id]
         return ids
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Ids of `text` with special-token names read as ordinary text (no BOS/EOS added)."""
+        if self._is_sentencepiece:
+            return self._backend.encode(text)  # SentencePiece itself never matches control tokens
+        if self._plain_backend is None:
+            with self._plain_lock:
+                if self._plain_backend is None:
+                    plain = tokenizers.Tokenizer.from_str(self._backend.to_str())
+                    plain.encode_special_tokens = True
+                    self._plain_backend = plain
+        return _encode_unlocked(self._plain_backend, text)
 
     def _encode_sentencepiece(self, text: str) -> list[int]:
         if self._special_pattern is None:
@@ -166,6 +195,14 @@ class Tokenizer:
     def _special_token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else self.id_to_piece(token_id)
 
+    def _template_specials(self) -> dict[str, str]:
+        return {
+            "bos_token": self._special_token_text(self.bos_token_id),
+            "eos_token": self._special_token_text(self.eos_token_id),
+            "pad_token": self._special_token_text(self.pad_token_id),
+            "unk_token": self._special_token_text(self.unk_token_id),
+        }
+
     def apply_chat_template(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
     ) -> str:
@@ -178,15 +215,47 @@ class Tokenizer:
             )
         if self._compiled_template is None:
             self._compiled_template = compile_chat_template(self.chat_template)
-        special_tokens = {
-            "bos_token": self._special_token_text(self.bos_token_id),
-            "eos_token": self._special_token_text(self.eos_token_id),
-            "pad_token": self._special_token_text(self.pad_token_id),
-            "unk_token": self._special_token_text(self.unk_token_id),
-        }
         return render_chat_template(
-            self._compiled_template, messages, add_generation_prompt, special_tokens, **kwargs
+            self._compiled_template, messages, add_generation_prompt, self._template_specials(), **kwargs
         )
+
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        special_tokens_in_content: bool = False,
+        **kwargs: Any,
+    ) -> list[int]:
+        """The chat prompt's ids (the template writes its own BOS). Text inside a message's
+        content is never read as a special token, unless `special_tokens_in_content` (trusted
+        callers). A template that transforms contents, with a content that spells a special
+        token, raises ChatContentError (it cannot be encoded safely)."""
+        text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+        if special_tokens_in_content or self._special_text is None:
+            return self.encode(text, add_special_tokens=False)
+        spelled = [i for i, m in enumerate(messages) if self._special_text.search(m["content"])]
+        if not spelled:  # the common case: the plain encoding is already safe
+            return self.encode(text, add_special_tokens=False)
+        pieces = render_chat_pieces(self._compiled_template, messages, add_generation_prompt,
+                                    self._template_specials(), text, **kwargs)
+        if pieces is None:
+            i = spelled[0]
+            found = self._special_text.search(messages[i]["content"]).group(0)
+            raise ChatContentError(
+                f"messages[{i}].content",
+                f"messages[{i}].content contains the special token text {found!r}, and this chat "
+                "template does not copy contents verbatim, so it cannot be kept as plain text")
+        ids: list[int] = []
+        for piece, is_content in pieces:
+            ids.extend(self.encode_plain(piece) if is_content else self.encode(piece, add_special_tokens=False))
+        return ids
+
+
+def _encode_unlocked(backend: tokenizers.Tokenizer, text: str) -> list[int]:
+    # The batch entry points release the GIL (encode() holds it for the whole call); _fast skips
+    # the character offsets, which nothing here uses. Same ids as encode().
+    return backend.encode_batch_fast([text], add_special_tokens=False)[0].ids
 
 
 def tokenizer_from_gguf(reader: gguf.GGUFReader, path: str | os.PathLike) -> Tokenizer:
