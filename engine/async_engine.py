@@ -14,7 +14,15 @@ methods. What happens:
    latency metrics and puts each output on its request's stream, so every token reaches its HTTP
    response as soon as it is sampled.
 5. If `step()` raises, the requests in flight get the error (their handlers answer 500 or end the
-   stream with an error event) and are aborted in the engine; the server keeps serving.
+   stream with an error event) and are aborted in the engine; the server keeps serving. (The
+   LLMEngine itself fails only a failed step's requests, through `CompletionOutput.error`.)
+6. If the engine reports itself dead (`engine.dead_reason`, a runner that lost its device state),
+   every request in flight fails with that reason, later adds are refused with `EngineDeadError`
+   and `dead_reason` is set here, so the server's /health and new requests answer 503.
+
+Admission counts sequences, not prompts: a request with n samples is n sequences in the engine's
+waiting queue, so `queue_is_full` and the pending count are in sequences. Each add carries a
+`group_id` (one per HTTP request) for the engine's fairness cap.
 """
 
 from __future__ import annotations
@@ -38,6 +46,10 @@ class EngineError(RuntimeError):
     """The engine failed (or is shutting down) while this request was in flight."""
 
 
+class EngineDeadError(EngineError):
+    """The engine can serve no more (its runner lost its device state, or the step thread ended)."""
+
+
 @dataclasses.dataclass
 class _Tracker:
     """Per engine request, on the event loop: where outputs go and what latency metrics need."""
@@ -55,6 +67,11 @@ class _Add:
     params: SamplingParams
     arrival_time: float
     future: concurrent.futures.Future
+    group_id: str | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return self.params.n
 
 
 @dataclasses.dataclass
@@ -121,11 +138,13 @@ class AsyncLLMEngine:
         self.metrics = metrics if metrics is not None else ServerMetrics()
         self._commands: queue.Queue = queue.Queue()
         self._lock = threading.Lock()  # guards _num_pending and _stats together
-        self._num_pending = 0  # adds queued but not yet handed to the engine
+        self._num_pending = 0  # sequences of adds queued but not yet handed to the engine
+        self._dead_reason: str | None = None  # set once by the step thread, read anywhere
         self._stats = None  # newest EngineStats from the step thread
         self._trackers: dict[str, _Tracker] = {}  # event loop only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._stopping = False
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -137,6 +156,7 @@ class AsyncLLMEngine:
 
     async def shutdown(self, reason: str = "the server is shutting down") -> None:
         """Fails the requests still in flight, stops the step thread and waits for it."""
+        self._stopping = True
         for request_id in list(self._trackers):
             self._fail(request_id, EngineError(reason))
         self._commands.put(_Stop())
@@ -146,6 +166,15 @@ class AsyncLLMEngine:
     @property
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine can serve no more; None while it can (or before start)."""
+        if self._dead_reason is not None:
+            return self._dead_reason
+        if self._thread is not None and not self._thread.is_alive() and not self._stopping:
+            return "the engine step thread ended"
+        return None
 
     # ---- the event-loop side ---------------------------------------------------------------
 
@@ -157,24 +186,31 @@ class AsyncLLMEngine:
             return self._stats
 
     def num_pending(self) -> int:
+        """Sequences queued for the engine but not yet handed to it."""
         with self._lock:
             return self._num_pending
 
-    def queue_is_full(self, num_new: int) -> bool:
-        """True when adding `num_new` requests would exceed max_queue_len waiting requests."""
+    def queue_is_full(self, num_new_seqs: int) -> bool:
+        """True when `num_new_seqs` more sequences would exceed max_queue_len waiting sequences
+        (the engine's waiting queue, which holds each of a request's n samples, plus pending)."""
         if self.max_queue_len is None:
             return False
         with self._lock:
             waiting = (self._stats.num_waiting if self._stats is not None else 0) + self._num_pending
-        return waiting + num_new > self.max_queue_len
+        return waiting + num_new_seqs > self.max_queue_len
 
     @property
     def num_in_flight(self) -> int:
         return len(self._trackers)
 
-    async def add_request(self, stream: RequestStream, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
-        """Hands one request to the engine; its outputs go to `stream`. Raises the engine's
-        ValueError for a bad request, EngineError when the step thread is gone."""
+    async def add_request(self, stream: RequestStream, request_id: str, prompt: str | list[int],
+                          params: SamplingParams, *, group_id: str | None = None) -> None:
+        """Hands one request to the engine; its outputs go to `stream`. `group_id` ties the
+        prompts of one client request together (the engine's fairness cap). Raises the engine's
+        ValueError for a bad request, EngineDeadError when the engine cannot serve, EngineError
+        when the step thread is gone."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
         if not self.is_alive:
             raise EngineError("the engine is not running")
         arrival = time.monotonic()
@@ -182,8 +218,8 @@ class AsyncLLMEngine:
         stream.request_ids.append(request_id)
         self._trackers[request_id] = _Tracker(stream=stream, arrival=arrival)
         with self._lock:
-            self._num_pending += 1
-        self._commands.put(_Add(request_id, prompt, params, arrival, future))
+            self._num_pending += params.n
+        self._commands.put(_Add(request_id, prompt, params, arrival, future, group_id))
         try:
             await asyncio.wrap_future(future)
         except BaseException:
@@ -227,10 +263,11 @@ class AsyncLLMEngine:
             tracker.stream._put(error)
             self._commands.put(_Abort(request_id))
 
-    def _fail_all(self, request_ids: list[str], message: str) -> None:
-        self.metrics.engine_step_errors += 1
+    def _fail_all(self, request_ids: list[str], message: str, dead: bool = False) -> None:
+        if not dead:
+            self.metrics.engine_step_errors += 1
         for request_id in request_ids:
-            self._fail(request_id, EngineError(message))
+            self._fail(request_id, EngineDeadError(message) if dead else EngineError(message))
 
     # ---- the step thread -------------------------------------------------------------------
 
@@ -242,38 +279,46 @@ class AsyncLLMEngine:
                     return
             except Exception:  # noqa: BLE001 - the step thread must outlive any one bad request
                 logger.exception("engine loop error")
+                self._check_dead(live)
 
     def _run_once(self, live: set[str]) -> bool:
         """Handles the queued commands, then runs one step if there is work. False on stop."""
-        busy = self.engine.has_unfinished_requests()
+        dead = self._dead_reason is not None
+        busy = not dead and self.engine.has_unfinished_requests()
         commands = [] if busy else [self._commands.get()]  # idle: block until there is work
         while True:
             try:
                 commands.append(self._commands.get_nowait())
             except queue.Empty:
                 break
-        num_adds = 0
+        num_seqs = 0
         try:
             for position, command in enumerate(commands):
                 if isinstance(command, _Stop):
-                    self._abort_in_engine(live)
-                    self._refuse_queued_adds(commands[position + 1:])
+                    if not dead:
+                        self._abort_in_engine(live)
+                    self._refuse_queued_adds(commands[position + 1:], "the server is shutting down")
                     return False
                 if isinstance(command, _Add):
-                    num_adds += 1
-                    self._handle_add(command, live)
-                elif isinstance(command, _Abort) and command.request_id in live:
+                    num_seqs += command.num_seqs
+                    if dead:
+                        self._refuse(command, EngineDeadError(self._dead_reason))
+                    else:
+                        self._handle_add(command, live)
+                elif isinstance(command, _Abort) and command.request_id in live and not dead:
                     self._abort_in_engine([command.request_id])
                     live.discard(command.request_id)
         finally:
-            self._refresh_stats(num_adds)
-        if not self.engine.has_unfinished_requests():
+            self._refresh_stats(num_seqs)
+        if dead or not self.engine.has_unfinished_requests():
             live.clear()
             return True
         try:
             outputs = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - one bad step must not end the server
             logger.exception("engine step failed; failing the %d requests in flight", len(live))
+            if self._check_dead(live):
+                return True
             failed = sorted(live)
             self._abort_in_engine(failed)
             live.clear()
@@ -287,9 +332,26 @@ class AsyncLLMEngine:
         self._refresh_stats(0)
         if outputs:
             self._loop.call_soon_threadsafe(self._deliver, outputs, time.monotonic())
+        self._check_dead(live)
         return True
 
-    def _refuse_queued_adds(self, commands: list) -> None:
+    def _check_dead(self, live: set[str]) -> bool:
+        """If the engine says it is dead: remember why, fail everything in flight. True if dead."""
+        reason = getattr(self.engine, "dead_reason", None)
+        if reason is None or self._dead_reason is not None:
+            return self._dead_reason is not None
+        logger.error("the engine is dead: %s", reason)
+        self._dead_reason = str(reason)
+        failed = sorted(live)
+        live.clear()
+        self._loop.call_soon_threadsafe(self._fail_all, failed, f"the engine is dead: {reason}", True)
+        return True
+
+    def _refuse(self, command: _Add, error: Exception) -> None:
+        if command.future.set_running_or_notify_cancel():
+            command.future.set_exception(error)
+
+    def _refuse_queued_adds(self, commands: list, reason: str) -> None:
         """At stop: adds not handed to the engine fail, so no handler waits on them forever."""
         while True:
             try:
@@ -297,8 +359,8 @@ class AsyncLLMEngine:
             except queue.Empty:
                 break
         for command in commands:
-            if isinstance(command, _Add) and command.future.set_running_or_notify_cancel():
-                command.future.set_exception(EngineError("the server is shutting down"))
+            if isinstance(command, _Add):
+                self._refuse(command, EngineError(reason))
 
     def _abort_in_engine(self, request_ids) -> None:
         for request_id in list(request_ids):
@@ -311,15 +373,26 @@ class AsyncLLMEngine:
         if not command.future.set_running_or_notify_cancel():
             return  # the handler gave up waiting (client gone)
         try:
-            self.engine.add_request(command.request_id, command.prompt, command.params, arrival_time=command.arrival_time)
+            self.engine.add_request(command.request_id, command.prompt, command.params,
+                                    arrival_time=command.arrival_time, group_id=command.group_id)
         except Exception as exc:  # noqa: BLE001 - goes back to the handler
-            command.future.set_exception(exc if isinstance(exc, ValueError) else EngineError(f"{type(exc).__name__}: {exc}"))
+            if isinstance(exc, ValueError):
+                command.future.set_exception(exc)
+            elif getattr(self.engine, "dead_reason", None) is not None:
+                command.future.set_exception(EngineDeadError(str(self.engine.dead_reason)))
+            else:
+                command.future.set_exception(EngineError(f"{type(exc).__name__}: {exc}"))
             return
         live.add(command.request_id)
         command.future.set_result(None)
 
-    def _refresh_stats(self, num_adds: int) -> None:
-        stats = self.engine.get_stats()
+    def _refresh_stats(self, num_seqs: int) -> None:
+        """A new stats snapshot; `num_seqs` sequences just left the pending count."""
+        try:
+            stats = self.engine.get_stats()
+        except Exception:  # noqa: BLE001 - keep the last snapshot, but the pending count must move
+            logger.exception("get_stats failed")
+            stats = self._stats
         with self._lock:
             self._stats = stats
-            self._num_pending -= num_adds
+            self._num_pending -= num_seqs

@@ -83,6 +83,8 @@ class ServerMetrics:
         self.requests_finished: dict[str, int] = {}  # finish reason -> count
         self.http_responses: dict[str, int] = {}  # status code -> count
         self.engine_step_errors = 0  # engine steps that raised (their requests failed with 500)
+        # Connections the server dropped for sending too slowly, by phase ("headers", "body").
+        self.slow_clients_dropped: dict[str, int] = {"headers": 0, "body": 0}
 
     def observe_first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
@@ -104,6 +106,9 @@ class ServerMetrics:
         key = str(status)
         self.http_responses[key] = self.http_responses.get(key, 0) + 1
 
+    def observe_slow_client(self, phase: str) -> None:
+        self.slow_clients_dropped[phase] = self.slow_clients_dropped.get(phase, 0) + 1
+
     def render(self, stats, *, num_pending: int = 0) -> str:
         """Prometheus text for the server's own metrics and an engine stats snapshot (None before
         the engine's first report)."""
@@ -119,12 +124,22 @@ class ServerMetrics:
                 [({}, stats.num_waiting + num_pending)],
             )
             lines += _scalar("gauge", "kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).", [({}, stats.kv_cache_usage)])
+            for name, help_text in (("num_free_blocks", "KV cache blocks free (no owner, nothing cached)."),
+                                    ("num_cached_blocks", "KV cache blocks with no owner whose contents stay in the "
+                                                          "prefix cache (evictable).")):
+                value = getattr(stats, name, None)
+                if value is not None:
+                    lines += _scalar("gauge", name, help_text, [({}, value)])
             lines += _scalar("gauge", "prefix_cache_hit_rate", "Prefix cache hits / queries, in tokens, since start.", [({}, hit_rate)])
             lines += _scalar("counter", "prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.", [({}, queries)])
             lines += _scalar("counter", "prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", [({}, stats.prefix_cache_hits)])
             lines += _scalar("counter", "num_preemptions_total", "Requests preempted (recomputed) for lack of KV blocks.", [({}, stats.num_preemptions)])
             lines += _scalar("counter", "prompt_tokens_total", "Prompt tokens processed.", [({}, stats.num_prompt_tokens)])
             lines += _scalar("counter", "generation_tokens_total", "Tokens generated.", [({}, stats.num_generation_tokens)])
+            failed = getattr(stats, "num_failed_steps", None)
+            if failed is not None:
+                lines += _scalar("counter", "num_failed_steps_total", "Engine steps whose runner call raised "
+                                 "(their requests failed; the engine kept serving).", [({}, failed)])
             lines += _scalar("counter", "num_compilations_total", "XLA compilations of the step function.", [({}, stats.num_compilations)])
         finished = [({"finished_reason": reason}, count) for reason, count in sorted(self.requests_finished.items())]
         lines += _scalar("counter", "request_success_total", "Finished requests by finish reason.", finished)
@@ -132,6 +147,9 @@ class ServerMetrics:
         lines += _scalar("counter", "http_responses_total", "HTTP responses of /v1 endpoints by status code.", responses)
         lines += _scalar("counter", "engine_step_errors_total", "Engine steps that raised; their requests failed.",
                          [({}, self.engine_step_errors)])
+        slow = [({"phase": phase}, count) for phase, count in sorted(self.slow_clients_dropped.items())]
+        lines += _scalar("counter", "slow_clients_dropped_total",
+                         "Connections dropped for not sending their request headers or body in time.", slow)
         for hist in (self.ttft, self.itl, self.e2e):
             lines += hist.render()
         return "\n".join(lines) + "\n"

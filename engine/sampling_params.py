@@ -1,18 +1,111 @@
 """SamplingParams: what a caller asks of one request's generation (vLLM's names and defaults).
 
-Validated on construction; every error is a ValueError that names the field, so the HTTP layer can
-turn it into a 400 with `param` set.
+Validated on construction against `BOUNDS`, the one table of what each numeric field may hold:
+the ranges the device arrays take (int32 lengths and ids, float32 knobs) and the limits that keep
+one request from hurting the others. The HTTP layer (entrypoints/openai/protocol.py) checks the
+same table through `check_bound`, so a value is refused in one place with one message. Every
+error is a `ParamError`: a ValueError that carries the field (`param`), so the server's 400 names
+it without reading the message.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+
+INT32_MAX = 2**31 - 1
 
 # Bounds that keep one request from hurting the others (a huge stop list is scanned at every step).
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 MAX_LOGPROBS = 20
 MAX_N = 16
+
+
+class ParamError(ValueError):
+    """A request field is out of range or of the wrong type; `param` names the field."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclasses.dataclass(frozen=True)
+class Bound:
+    """The values one numeric field may take: `low` (excluded if `low_open`) to `high`."""
+
+    kind: type  # int or float
+    low: int | float
+    high: int | float
+    low_open: bool = False
+
+
+# Field -> bound. Integer fields end up in int32 device arrays (or are hashed: seed), float fields
+# in float32 ones; list fields (stop_token_ids, prompt_token_ids) bound each entry.
+BOUNDS: dict[str, Bound] = {
+    "n": Bound(int, 1, MAX_N),
+    "max_tokens": Bound(int, 1, INT32_MAX),  # the prompt + max_tokens <= max_model_len check follows
+    "temperature": Bound(float, 0.0, 100.0),
+    "top_p": Bound(float, 0.0, 1.0, low_open=True),
+    "top_k": Bound(int, -1, INT32_MAX),  # -1/0 = off; the engine clamps it to the vocabulary
+    "min_p": Bound(float, 0.0, 1.0),
+    "presence_penalty": Bound(float, -2.0, 2.0),
+    "frequency_penalty": Bound(float, -2.0, 2.0),
+    "repetition_penalty": Bound(float, 0.0, 100.0, low_open=True),
+    "seed": Bound(int, -(2**63), 2**64 - 1),  # any 64-bit seed; hashed to uint32 per sample
+    "logprobs": Bound(int, 0, MAX_LOGPROBS),
+    "stop_token_ids": Bound(int, 0, INT32_MAX),  # each entry
+    "prompt_token_ids": Bound(int, 0, INT32_MAX),  # each entry; the engine checks the vocabulary
+}
+
+
+def kind_of(value) -> str:
+    """The JSON name of a value's type, for error messages."""
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    return {dict: "object", list: "array", tuple: "array", str: "string", type(None): "null"}.get(
+        type(value), type(value).__name__)
+
+
+def _show(value) -> str:
+    if isinstance(value, int) and abs(value) > 10**30:  # str() of a huge int is slow, or refused
+        return f"an integer of {value.bit_length()} bits"
+    return repr(value)
+
+
+def check_bound(name: str, value, *, param: str | None = None) -> int | float:
+    """`value` checked against BOUNDS[name]; returns it (a float field as a float). ParamError
+    naming `param` (default: `name`) otherwise."""
+    bound = BOUNDS[name]
+    param = param or name
+    if bound.kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ParamError(param, f"'{param}' must be an integer, got {kind_of(value)}")
+    else:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ParamError(param, f"'{param}' must be a number, got {kind_of(value)}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ParamError(param, f"'{param}' must be a finite number, got {value}")
+    if (value <= bound.low) if bound.low_open else (value < bound.low):
+        op = ">" if bound.low_open else ">="
+        raise ParamError(param, f"'{param}' must be {op} {bound.low}, got {_show(value)}")
+    if value > bound.high:
+        raise ParamError(param, f"'{param}' must be <= {bound.high}, got {_show(value)}")
+    return float(value) if bound.kind is float else value
+
+
+def check_stop_strings(stop, *, param: str = "stop") -> tuple[str, ...]:
+    """Stop strings: at most MAX_STOP_STRINGS non-empty strings of at most MAX_STOP_STRING_LEN."""
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ParamError(param, f"'{param}' may hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
+    for s in stop:
+        if not isinstance(s, str) or not s:
+            raise ParamError(param, f"'{param}' entries must be non-empty strings, got {kind_of(s)}")
+        if len(s) > MAX_STOP_STRING_LEN:
+            raise ParamError(param, f"'{param}' entries must be at most {MAX_STOP_STRING_LEN} characters")
+    return tuple(stop)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,34 +133,19 @@ class SamplingParams:
             stop = ()
         elif isinstance(stop, str):
             stop = (stop,)
-        object.__setattr__(self, "stop", tuple(stop))
+        object.__setattr__(self, "stop", check_stop_strings(tuple(stop)))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
-        _check_int("n", self.n, low=1, high=MAX_N)
-        if self.max_tokens is not None:
-            _check_int("max_tokens", self.max_tokens, low=1)
-        _check_float("temperature", self.temperature, low=0.0, high=100.0)
-        _check_float("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
-        _check_int("top_k", self.top_k, low=-1)
-        _check_float("min_p", self.min_p, low=0.0, high=1.0)
-        _check_float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
-        _check_float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
-        _check_float("repetition_penalty", self.repetition_penalty, low=0.0, high=100.0, low_open=True)
-        if self.seed is not None:
-            _check_int("seed", self.seed, low=-(2**63), high=2**64 - 1)
-        if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
-        for s in self.stop:
-            if not isinstance(s, str) or not s:
-                raise ValueError(f"stop: each stop string must be a non-empty string, got {s!r}")
-            if len(s) > MAX_STOP_STRING_LEN:
-                raise ValueError(f"stop: a stop string is longer than {MAX_STOP_STRING_LEN} characters")
+        for name in ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty"):
+            check_bound(name, getattr(self, name))
+        for name in ("max_tokens", "seed", "logprobs"):  # optional
+            if getattr(self, name) is not None:
+                check_bound(name, getattr(self, name))
         for t in self.stop_token_ids:
-            _check_int("stop_token_ids", t, low=0)
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+            check_bound("stop_token_ids", t)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+                raise ParamError(name, f"'{name}' must be a boolean, got {kind_of(getattr(self, name))}")
 
     @property
     def greedy(self) -> bool:
@@ -79,27 +157,5 @@ class SamplingParams:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ValueError(f"unknown sampling field(s): {', '.join(unknown)}")
+            raise ParamError(unknown[0], f"unknown sampling field(s): {', '.join(unknown)}")
         return cls(**values)
-
-
-def _check_int(name: str, value, *, low: int | None = None, high: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if low is not None and value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
-    if high is not None and value > high:
-        raise ValueError(f"{name} must be <= {high}, got {value}")
-
-
-def _check_float(name, value, *, low, high, low_open: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    if value != value:  # NaN
-        raise ValueError(f"{name} must be a number, got NaN")
-    if (value <= low) if low_open else (value < low):
-        bound = f"> {low}" if low_open else f">= {low}"
-        raise ValueError(f"{name} must be {bound}, got {value}")
-    if value > high:
-        raise ValueError(f"{name} must be <= {high}, got {value}")
-

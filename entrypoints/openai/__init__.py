@@ -2,6 +2,8 @@
 
 - `serve`: the command line (every EngineConfig field is a flag) and `main`.
 - `api_server`: the aiohttp app: routes, middleware, streaming, draining on SIGTERM.
+- `http_guard`: per-connection guards: the request-head timeout, parser errors as OpenAI JSON.
+- `prepare`: body -> Job on worker threads: parse, validate, tokenize, admission checks.
 - `protocol`: request parsing and validation (JSON body -> request dataclass with SamplingParams).
 - `responses`: response bodies and stream chunks.
 """

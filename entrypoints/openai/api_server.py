@@ -2,44 +2,56 @@
 
 What happens to a request:
 
-1. Middleware: /v1 routes need the bearer token when an API key is set (401), get 503 while the
-   server drains after SIGTERM, and are counted in flight; any exception becomes an OpenAI error
-   body (ProtocolError -> its status, anything unexpected -> 500), so one bad request never takes
-   the server down.
-2. The handler parses and validates the body (`protocol`), tokenizes the prompt (through the
-   chat template for chat) and checks it against max_model_len, all on the event loop, so bad input
-   never reaches the step thread.
-3. If the engine's waiting queue plus the adds not yet handed over would exceed max_queue_len, 503
-   with Retry-After at once. Otherwise one engine request per prompt goes to the AsyncLLMEngine.
-4. Streaming: server-sent events, one chunk per choice whenever the engine produced new text,
-   ending with `data: [DONE]`. Whole: wait for the last outputs, answer one JSON body.
-5. However the handler ends (finished, client gone and the handler cancelled, write failed,
+1. The connection: its request head must arrive within header_timeout_s (http_guard.py; slow
+   clients are dropped and counted in /metrics), and what aiohttp's parser refuses is answered in
+   OpenAI's error JSON.
+2. Middleware: /v1 routes need the bearer token when an API key is set (401), get 503 while the
+   server drains after SIGTERM or once the engine is dead (`dead_reason`), and are counted in
+   flight; any exception becomes an OpenAI error body (ProtocolError -> its status, anything
+   unexpected -> 500), so one bad request never takes the server down.
+3. The handler reads the body under body_timeout_s (408 and a closed connection past it) and
+   max_body_bytes (413; by default tied to max_model_len). Then, on a worker thread (the event
+   loop keeps answering /health and streaming meanwhile), it parses and validates the body
+   (`protocol`), tokenizes the prompt (through the chat template for chat: text in a message never
+   becomes a control token unless trust_chat_special_tokens) and checks it against the vocabulary
+   and max_model_len, so bad input never reaches the step thread.
+4. Admission, in sequences (prompts x n), not prompts: a request that could never fit (more
+   sequences than max_queue_len) is a 400 that says so; one that does not fit now gets 503 with
+   Retry-After. Otherwise one engine request per prompt goes to the AsyncLLMEngine, all with the
+   same group_id (the HTTP request's id).
+5. Streaming: server-sent events, one chunk per choice whenever the engine produced new text,
+   ending with `data: [DONE]`. Whole: wait for the last outputs, answer one JSON body. A sequence
+   the engine failed (`CompletionOutput.error`) fails its HTTP request: 500, or an error event.
+6. However the handler ends (finished, client gone and the handler cancelled, write failed,
    error), its unfinished engine requests are aborted, which frees their KV blocks.
+
+Fairness (no client starves the rest): a request's shape is bounded (max_prompts prompts, n <=
+max_n, prompt + max_tokens <= max_model_len), the waiting queue is bounded in sequences
+(max_queue_len), and in the engine one HTTP request is one group: while requests of other groups
+wait, a group holds at most EngineConfig.max_request_share of the max_num_seqs running seats, so
+a small request from another client is admitted beside a huge one instead of queueing behind all
+of its sequences (tests/entrypoints/test_server_fairness.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import hmac
 import json
 import logging
 import signal
 import time
-import uuid
 
 from aiohttp import web
 
-from engine.async_engine import AsyncLLMEngine, EngineError, RequestStream
+from engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineError, RequestStream
 from engine.metrics import ServerMetrics
-from engine.sampling_params import SamplingParams
-from entrypoints.openai.protocol import (
-    ProtocolError,
-    check_context,
-    param_of,
-    parse_chat_request,
-    parse_completion_request,
-)
+from engine.sampling_params import MAX_N
+from entrypoints.openai.http_guard import GuardedAppRunner
+from entrypoints.openai.prepare import Job, Preparer, vocab_size_of
+from entrypoints.openai.protocol import MAX_PROMPTS, ProtocolError, RequestLimits
 from entrypoints.openai.responses import (
     ChoiceCursor,
     TokenTexts,
@@ -55,6 +67,15 @@ from entrypoints.openai.responses import (
 
 logger = logging.getLogger(__name__)
 
+# Default body limit: room for a max_model_len prompt at 64 bytes per token (long tokens, JSON
+# escapes such as \\uXXXX\\uXXXX) plus 1 MiB for everything else in the body.
+BODY_BYTES_PER_TOKEN = 64
+BODY_BYTES_BASE = 1024 * 1024
+
+
+def default_body_limit(max_model_len: int) -> int:
+    return BODY_BYTES_BASE + BODY_BYTES_PER_TOKEN * max_model_len
+
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
@@ -62,24 +83,30 @@ class ServerConfig:
     port: int = 8000  # 0: any free port (printed at start-up)
     api_key: str | None = None  # when set, /v1 routes need "Authorization: Bearer <api_key>"
     served_model_name: str | None = None  # None: the engine's model_name
-    max_queue_len: int | None = None  # most waiting requests before 503; None: unbounded
+    max_queue_len: int | None = None  # most waiting sequences (prompts x n) before 503; None: unbounded
+    max_n: int = MAX_N  # most samples per prompt
+    max_prompts: int = MAX_PROMPTS  # most prompts in one /v1/completions request
+    max_body_bytes: int | None = None  # request body limit; None: default_body_limit(max_model_len)
+    header_timeout_s: float = 10.0  # a request head (line + headers) must arrive within this
+    body_timeout_s: float = 30.0  # a request body must arrive within this once its head has
+    keepalive_timeout_s: float = 15.0  # an idle keep-alive connection is closed after this
+    num_prepare_threads: int = 2  # threads that parse, render chat templates and tokenize
+    trust_chat_special_tokens: bool = False  # chat content may spell control tokens (trusted clients)
     shutdown_grace_s: float = 30.0  # after SIGTERM, how long in-flight requests may take to finish
 
-
-@dataclasses.dataclass
-class _Job:
-    """One validated HTTP generation request, ready for the engine."""
-
-    chat: bool
-    response_id: str
-    model: str
-    prompt_ids: list[list[int]]
-    params: SamplingParams
-    stream: bool
-    include_usage: bool
-    chat_logprobs: bool = False
-    echo_texts: list[str] | None = None
-    prompt_param: str = "prompt"
+    def __post_init__(self) -> None:
+        for name in ("max_queue_len", "max_body_bytes"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"ServerConfig.{name} must be a positive integer or None, got {value!r}")
+        for name, high in (("max_n", MAX_N), ("max_prompts", MAX_PROMPTS), ("num_prepare_threads", 64)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
+                raise ValueError(f"ServerConfig.{name} must be an integer in [1, {high}], got {value!r}")
+        for name in ("header_timeout_s", "body_timeout_s", "keepalive_timeout_s", "shutdown_grace_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+                raise ValueError(f"ServerConfig.{name} must be a number >= 0, got {value!r}")
 
 
 def _sse(payload: dict | str) -> str:
@@ -94,21 +121,37 @@ class OpenAIServer:
         self.max_model_len = engine.max_model_len
         self.model_name = config.served_model_name or engine.model_name
         self.served_names = tuple(dict.fromkeys((self.model_name, engine.model_name)))
+        self.preparer = Preparer(
+            tokenizer=engine.tokenizer, max_model_len=engine.max_model_len, vocab_size=vocab_size_of(engine),
+            max_logprobs=getattr(getattr(engine, "config", None), "max_logprobs", None),
+            served_names=self.served_names, model_name=self.model_name,
+            limits=RequestLimits(max_prompts=config.max_prompts, max_n=config.max_n),
+            max_queue_len=config.max_queue_len, trust_chat_special_tokens=config.trust_chat_special_tokens)
+        self.max_body_bytes = config.max_body_bytes or default_body_limit(self.max_model_len)
         self.metrics = ServerMetrics()
         self.async_engine = AsyncLLMEngine(engine, max_queue_len=config.max_queue_len, metrics=self.metrics)
         self.token_texts = TokenTexts(self.tokenizer)
         self.created = int(time.time())
         self.draining = False
         self.num_in_flight = 0
+        self._pool = concurrent.futures.ThreadPoolExecutor(config.num_prepare_threads, thread_name_prefix="prepare")
 
     def build_app(self) -> web.Application:
-        app = web.Application(middlewares=[self._middleware], client_max_size=8 * 1024 * 1024)
+        app = web.Application(middlewares=[self._middleware], client_max_size=self.max_body_bytes)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat_completions)
         return app
+
+    def make_runner(self, app: web.Application | None = None) -> web.AppRunner:
+        """The aiohttp runner with this server's connection guards (http_guard.py)."""
+        return GuardedAppRunner(
+            app or self.build_app(), header_timeout_s=self.config.header_timeout_s or None,
+            on_slow=self.metrics.observe_slow_client, on_error_status=self.metrics.observe_http_response,
+            handler_cancellation=True, access_log=None, shutdown_timeout=5.0,
+            keepalive_timeout=self.config.keepalive_timeout_s, lingering_time=min(2.0, self.config.body_timeout_s))
 
     # ---- middleware and small routes -------------------------------------------------------
 
@@ -124,10 +167,15 @@ class OpenAIServer:
             if counted and self.draining:
                 raise ProtocolError("The server is shutting down", status=503, type="server_error",
                                     code="shutting_down", headers={"Retry-After": "5"})
+            if counted and self.async_engine.dead_reason is not None:
+                raise ProtocolError(f"The engine cannot serve: {self.async_engine.dead_reason}", status=503,
+                                    type="server_error", code="engine_dead")
             response = await handler(request)
         except ProtocolError as exc:
             response = web.json_response(exc.to_dict(), status=exc.status, headers=exc.headers)
-        except web.HTTPException as exc:  # unknown route, wrong method, body too large
+            if exc.status in (408, 413):
+                response.force_close()  # the rest of the body is not worth reading
+        except web.HTTPException as exc:  # unknown route, wrong method
             error = ProtocolError(exc.reason, status=exc.status, type="invalid_request_error")
             response = web.json_response(error.to_dict(), status=exc.status)
         except Exception:  # noqa: BLE001 - answer 500 and keep serving
@@ -151,8 +199,13 @@ class OpenAIServer:
                                 status=401, code="invalid_api_key")
 
     async def _health(self, request: web.Request) -> web.Response:
-        if self.draining or not self.async_engine.is_alive:
-            return web.json_response({"status": "unavailable"}, status=503)
+        dead = self.async_engine.dead_reason
+        if dead is not None:
+            return web.json_response({"status": "dead", "reason": dead}, status=503)
+        if self.draining:
+            return web.json_response({"status": "draining", "reason": "the server is shutting down"}, status=503)
+        if not self.async_engine.is_alive:
+            return web.json_response({"status": "unavailable", "reason": "the engine is not running"}, status=503)
         return web.json_response({"status": "ok"})
 
     async def _metrics(self, request: web.Request) -> web.Response:
@@ -164,68 +217,71 @@ class OpenAIServer:
                  "max_model_len": self.max_model_len} for name in self.served_names]
         return web.json_response({"object": "list", "data": data})
 
+    # ---- reading the body; preparing it runs on the worker threads (prepare.py) ----------------------------------------------------
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        limit = self.max_body_bytes
+        too_large = ProtocolError(f"The request body is larger than this server's limit of {limit} bytes "
+                                  "(max_body_bytes; by default tied to max_model_len)", status=413,
+                                  code="request_too_large")
+        if request.content_length is not None and request.content_length > limit:
+            raise too_large
+        try:
+            async with asyncio.timeout(self.config.body_timeout_s or None):
+                return await request.read()
+        except TimeoutError:
+            self.metrics.observe_slow_client("body")
+            raise ProtocolError(f"The request body did not arrive within {self.config.body_timeout_s} s",
+                                status=408, code="request_timeout") from None
+        except web.HTTPRequestEntityTooLarge:
+            raise too_large from None
+
+    async def _prepare(self, fn, raw: bytes) -> Job:
+        """Runs `fn(raw)` (parse, tokenize, validate) on the worker threads, off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, raw)
+
     # ---- generation ------------------------------------------------------------------------
 
-    async def _body(self, request: web.Request):
-        raw = await request.read()
-        try:
-            return json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ProtocolError(f"The request body is not valid JSON: {exc}") from None
-
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        req = parse_completion_request(await self._body(request), self.served_names)
-        prompt_ids = []
-        for prompt in req.prompts:
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else prompt
-            check_context(len(ids), req.params.max_tokens, self.max_model_len, prompt_param="prompt")
-            prompt_ids.append(ids)
-        echo = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in req.prompts] if req.echo else None
-        job = _Job(chat=False, response_id=f"cmpl-{uuid.uuid4().hex}", model=req.model or self.model_name,
-                   prompt_ids=prompt_ids, params=req.params, stream=req.stream,
-                   include_usage=req.include_usage, echo_texts=echo)
+        job = await self._prepare(self.preparer.completion, await self._read_body(request))
         return await self._generate(request, job)
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
-        req = parse_chat_request(await self._body(request), self.served_names)
-        try:
-            text = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt)
-        except Exception as exc:  # noqa: BLE001 - a template's own raise_exception is the client's error
-            raise ProtocolError(f"'messages' could not be rendered by the chat template: {exc}", param="messages") from None
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        check_context(len(ids), req.params.max_tokens, self.max_model_len, prompt_param="messages")
-        job = _Job(chat=True, response_id=f"chatcmpl-{uuid.uuid4().hex}", model=req.model or self.model_name,
-                   prompt_ids=[ids], params=req.params, stream=req.stream, include_usage=req.include_usage,
-                   chat_logprobs=req.logprobs, prompt_param="messages")
+        job = await self._prepare(self.preparer.chat, await self._read_body(request))
         return await self._generate(request, job)
 
-    async def _generate(self, request: web.Request, job: _Job) -> web.StreamResponse:
-        if self.async_engine.queue_is_full(len(job.prompt_ids)):
+    async def _generate(self, request: web.Request, job: Job) -> web.StreamResponse:
+        if self.async_engine.queue_is_full(job.num_seqs):
             raise ProtocolError("The server is overloaded (the waiting queue is full); retry later",
                                 status=503, type="server_error", code="queue_full", headers={"Retry-After": "1"})
         stream = self.async_engine.new_stream()
         try:
             for i, ids in enumerate(job.prompt_ids):
-                await self.async_engine.add_request(stream, f"{job.response_id}-{i}", ids, job.params)
+                await self.async_engine.add_request(stream, f"{job.response_id}-{i}", ids, job.params,
+                                                    group_id=job.response_id)
             if job.stream:
                 return await self._stream_response(request, job, stream)
             return await self._whole_response(job, stream)
-        except ValueError as exc:  # the engine rejected a prompt
-            param = param_of(exc)
-            raise ProtocolError(str(exc), param=job.prompt_param if param in (None, "prompt") else param) from None
+        except ValueError as exc:  # the engine rejected a prompt; a ParamError names its field
+            raise ProtocolError(str(exc), param=getattr(exc, "param", None) or job.prompt_param) from None
+        except EngineDeadError as exc:
+            raise ProtocolError(f"The engine cannot serve: {exc}", status=503, type="server_error",
+                                code="engine_dead") from None
         except EngineError as exc:
             raise ProtocolError(str(exc), status=500, type="server_error") from None
         finally:
             stream.abort_unfinished()
 
-    def _choice_index(self, job: _Job, stream: RequestStream, request_id: str, sample_index: int) -> int:
+    def _choice_index(self, job: Job, stream: RequestStream, request_id: str, sample_index: int) -> int:
         return stream.request_ids.index(request_id) * job.params.n + sample_index
 
-    async def _whole_response(self, job: _Job, stream: RequestStream) -> web.Response:
+    async def _whole_response(self, job: Job, stream: RequestStream) -> web.Response:
         finals = {}
         while not stream.done:
             for request_id, output in (await stream.next_outputs()).items():
                 for completion in output.outputs:
+                    if getattr(completion, "error", None) is not None:
+                        raise EngineError(f"engine error: {completion.error}")
                     finals[self._choice_index(job, stream, request_id, completion.index)] = completion
         choices = []
         for index in sorted(finals):
@@ -248,7 +304,7 @@ class OpenAIServer:
                         job.model, choices, usage=usage(sum(map(len, job.prompt_ids)), num_generated))
         return web.json_response(body)
 
-    async def _stream_response(self, request: web.Request, job: _Job, stream: RequestStream) -> web.StreamResponse:
+    async def _stream_response(self, request: web.Request, job: Job, stream: RequestStream) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                "X-Accel-Buffering": "no"})
         await response.prepare(request)
@@ -269,17 +325,23 @@ class OpenAIServer:
                 echoed = [completion_choice(i, job.echo_texts[i // job.params.n], None, None) for i in range(num_choices)]
                 await response.write(chunk(echoed).encode())
             failed = False
-            while not stream.done:
+            while not stream.done and not failed:
                 try:
                     outputs = await stream.next_outputs()
                 except EngineError as exc:
-                    error = ProtocolError(str(exc), status=500, type="server_error")
+                    outputs, failed = {}, True
+                    status = 503 if isinstance(exc, EngineDeadError) else 500
+                    error = ProtocolError(str(exc), status=status, type="server_error")
                     await response.write(_sse(error.to_dict()).encode())
-                    failed = True
-                    break
                 parts = []
                 for request_id, output in outputs.items():
                     for completion in output.outputs:
+                        if getattr(completion, "error", None) is not None and not failed:
+                            failed = True
+                            error = ProtocolError(f"engine error: {completion.error}", status=500, type="server_error")
+                            parts.append(_sse(error.to_dict()))
+                        if failed:
+                            continue
                         index = self._choice_index(job, stream, request_id, completion.index)
                         delta = advance(cursors[index], completion)
                         if delta is None:
@@ -301,7 +363,7 @@ class OpenAIServer:
             logger.info("client disconnected from %s", job.response_id)
         return response
 
-    def _chunk_choice(self, job: _Job, index: int, cursor: ChoiceCursor, delta) -> dict:
+    def _chunk_choice(self, job: Job, index: int, cursor: ChoiceCursor, delta) -> dict:
         num_top = job.params.logprobs
         if job.chat:
             logprobs = chat_logprobs(self.token_texts, delta, num_top) if job.chat_logprobs and delta.token_ids else None
@@ -317,7 +379,7 @@ class OpenAIServer:
         up to shutdown_grace_s to finish, the rest are failed; then returns."""
         loop = asyncio.get_running_loop()
         self.async_engine.start()
-        runner = web.AppRunner(self.build_app(), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+        runner = self.make_runner()
         await runner.setup()
         site = web.TCPSite(runner, self.config.host, self.config.port)
         await site.start()
@@ -337,6 +399,7 @@ class OpenAIServer:
         while self.num_in_flight and loop.time() < deadline:
             await asyncio.sleep(0.05)
         await runner.cleanup()
+        self._pool.shutdown(wait=False, cancel_futures=True)
         print("jaxserve: stopped", flush=True)
 
 

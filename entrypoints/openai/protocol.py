@@ -3,23 +3,28 @@
 Every problem is a ProtocolError carrying the HTTP status, OpenAI's error `type` and `code`, and
 the `param` (the field) at fault, so the server answers `{"error": {message, type, param, code}}`.
 Unknown fields are accepted and ignored (OpenAI clients send extras such as `user`); known fields
-are type- and range-checked. Features this engine does not have (tools, logit_bias, suffix,
-best_of > n, non-text response formats) are rejected by name rather than silently ignored.
-Response bodies are built in `entrypoints/openai/responses.py`.
+are type- and range-checked against the one table of bounds, `engine.sampling_params.BOUNDS`
+(what the device arrays hold), and a `ParamError` from there becomes a 400 naming its `param`.
+Strings must be valid Unicode (a lone surrogate such as "\\ud800" is refused: it cannot be
+encoded, tokenized or sent back). Server limits (`RequestLimits`: most prompts, most n) come from
+the server's config. Features this engine does not have (tools, logit_bias, suffix, best_of > n,
+non-text response formats, prompt logprobs for echo) are rejected by name rather than silently
+ignored. Response bodies are built in `entrypoints/openai/responses.py`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import re
 
 from engine.sampling_params import (
-    MAX_LOGPROBS,
+    BOUNDS,
+    INT32_MAX,
     MAX_N,
-    MAX_STOP_STRING_LEN,
-    MAX_STOP_STRINGS,
+    ParamError,
     SamplingParams,
+    check_bound,
+    check_stop_strings,
+    kind_of,
 )
 
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
@@ -41,8 +46,20 @@ class ProtocolError(Exception):
         self.type = type
         self.code = code
 
+    @classmethod
+    def from_param_error(cls, exc: ParamError) -> ProtocolError:
+        return cls(str(exc), param=exc.param)
+
     def to_dict(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestLimits:
+    """What this server accepts in one request (server knobs, below the table's hard bounds)."""
+
+    max_prompts: int = MAX_PROMPTS  # prompts in one /v1/completions request
+    max_n: int = MAX_N  # samples per prompt
 
 
 @dataclasses.dataclass
@@ -68,38 +85,21 @@ class ChatRequest:
 
 # ---- field readers -------------------------------------------------------------------------
 
-def _type_name(value) -> str:
-    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}.get(
-        type(value), "number" if isinstance(value, int | float) else type(value).__name__
-    )
+_type_name = kind_of
 
 
-def _int(body: dict, name: str, default=None, *, low=None, high=None, alias_of: str | None = None):
+def _bounded(body: dict, name: str, default=None, *, bound: str | None = None):
+    """A numeric field checked against BOUNDS[bound or name]; an integral float is an integer."""
     value = body.get(name, _MISSING)
     if value is _MISSING or value is None:
         return default
-    if isinstance(value, float) and value.is_integer():
+    key = bound or name
+    if BOUNDS[key].kind is int and isinstance(value, float) and value.is_integer():
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ProtocolError(f"'{name}' must be an integer, got {_type_name(value)}", param=name)
-    if low is not None and value < low:
-        raise ProtocolError(f"'{name}' must be >= {low}, got {value}", param=name)
-    if high is not None and value > high:
-        raise ProtocolError(f"'{name}' must be <= {high}, got {value}", param=name)
-    return value
-
-
-def _number(body: dict, name: str, default=None, *, low=None, high=None, low_open=False):
-    value = body.get(name, _MISSING)
-    if value is _MISSING or value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ProtocolError(f"'{name}' must be a finite number, got {_type_name(value)}", param=name)
-    if low is not None and (value <= low if low_open else value < low):
-        raise ProtocolError(f"'{name}' must be {'>' if low_open else '>='} {low}, got {value}", param=name)
-    if high is not None and value > high:
-        raise ProtocolError(f"'{name}' must be <= {high}, got {value}", param=name)
-    return float(value)
+    try:
+        return check_bound(key, value, param=name)
+    except ParamError as exc:
+        raise ProtocolError.from_param_error(exc) from None
 
 
 def _bool(body: dict, name: str, default: bool | None = False):
@@ -111,6 +111,17 @@ def _bool(body: dict, name: str, default: bool | None = False):
     return value
 
 
+def check_text(value: str, param: str) -> str:
+    """A string that UTF-8 can hold: JSON may carry lone surrogates ("\\ud800"), Python keeps
+    them, and every tokenizer, stop-string scan and response write would fail on them later."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ProtocolError(f"'{param}' is not valid Unicode: a lone surrogate (U+{ord(value[exc.start]):04X}) "
+                            f"at character {exc.start}", param=param) from None
+    return value
+
+
 def _stop(body: dict) -> tuple[str, ...]:
     value = body.get("stop")
     if value is None:
@@ -119,19 +130,25 @@ def _stop(body: dict) -> tuple[str, ...]:
         value = [value]
     if not isinstance(value, list):
         raise ProtocolError(f"'stop' must be a string or an array of strings, got {_type_name(value)}", param="stop")
-    if len(value) > MAX_STOP_STRINGS:
-        raise ProtocolError(f"'stop' may hold at most {MAX_STOP_STRINGS} strings, got {len(value)}", param="stop")
-    for item in value:
-        if not isinstance(item, str) or not item:
-            raise ProtocolError("'stop' entries must be non-empty strings", param="stop")
-        if len(item) > MAX_STOP_STRING_LEN:
-            raise ProtocolError(f"'stop' entries must be at most {MAX_STOP_STRING_LEN} characters", param="stop")
-    return tuple(value)
+    try:
+        stop = check_stop_strings(value)
+    except ParamError as exc:
+        raise ProtocolError.from_param_error(exc) from None
+    for item in stop:
+        check_text(item, "stop")
+    return stop
 
 
 def _token_id_list(value, name: str) -> list[int]:
-    if not isinstance(value, list) or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in value):
+    if not isinstance(value, list):
         raise ProtocolError(f"'{name}' must be an array of non-negative integer token ids", param=name)
+    for t in value:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= INT32_MAX:
+            try:
+                check_bound("prompt_token_ids", t, param=name)
+            except ParamError as exc:
+                raise ProtocolError(f"'{name}' must be an array of non-negative integer token ids: {exc}",
+                                    param=name) from None
     return value
 
 
@@ -160,7 +177,7 @@ def _model(body: dict, served_names: tuple[str, ...]) -> str | None:
     if not isinstance(model, str):
         raise ProtocolError(f"'model' must be a string, got {_type_name(model)}", param="model")
     if model not in served_names:
-        raise ProtocolError(f"The model '{model}' does not exist; this server serves {', '.join(served_names)}",
+        raise ProtocolError(f"The model {model[:100]!r} does not exist; this server serves {', '.join(served_names)}",
                             param="model", status=404, code="model_not_found")
     return model
 
@@ -177,22 +194,24 @@ def _stream(body: dict) -> tuple[bool, bool]:
     return stream, _bool(options, "include_usage")
 
 
-def _sampling(body: dict, *, max_tokens, logprobs) -> SamplingParams:
-    n = _int(body, "n", 1, low=1, high=MAX_N)
-    best_of = _int(body, "best_of", None, low=1)
+def _sampling(body: dict, limits: RequestLimits, *, max_tokens, logprobs) -> SamplingParams:
+    n = _bounded(body, "n", 1)
+    if n > limits.max_n:
+        raise ProtocolError(f"'n' must be <= {limits.max_n} on this server, got {n}", param="n")
+    best_of = _bounded(body, "best_of", None, bound="n")
     if best_of is not None and best_of != n:
         raise ProtocolError("'best_of' different from 'n' is not supported", param="best_of")
     values = dict(
         n=n,
         max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 1.0, low=0.0, high=2.0),
-        top_p=_number(body, "top_p", 1.0, low=0.0, high=1.0, low_open=True),
-        top_k=_int(body, "top_k", -1, low=-1),
-        min_p=_number(body, "min_p", 0.0, low=0.0, high=1.0),
-        presence_penalty=_number(body, "presence_penalty", 0.0, low=-2.0, high=2.0),
-        frequency_penalty=_number(body, "frequency_penalty", 0.0, low=-2.0, high=2.0),
-        repetition_penalty=_number(body, "repetition_penalty", 1.0, low=0.0, high=100.0, low_open=True),
-        seed=_int(body, "seed", None, low=-(2**63), high=2**64 - 1),
+        temperature=_bounded(body, "temperature", 1.0),
+        top_p=_bounded(body, "top_p", 1.0),
+        top_k=_bounded(body, "top_k", -1),
+        min_p=_bounded(body, "min_p", 0.0),
+        presence_penalty=_bounded(body, "presence_penalty", 0.0),
+        frequency_penalty=_bounded(body, "frequency_penalty", 0.0),
+        repetition_penalty=_bounded(body, "repetition_penalty", 1.0),
+        seed=_bounded(body, "seed", None),
         stop=_stop(body),
         ignore_eos=_bool(body, "ignore_eos"),
         skip_special_tokens=_bool(body, "skip_special_tokens", True),
@@ -202,16 +221,12 @@ def _sampling(body: dict, *, max_tokens, logprobs) -> SamplingParams:
     stop_token_ids = body.get("stop_token_ids")
     if stop_token_ids is not None:
         values["stop_token_ids"] = tuple(_token_id_list(stop_token_ids, "stop_token_ids"))
+        if len(values["stop_token_ids"]) > 1024:
+            raise ProtocolError("'stop_token_ids' may hold at most 1024 ids", param="stop_token_ids")
     try:
         return SamplingParams(**values)
-    except ValueError as exc:  # a bound only SamplingParams knows; its message starts with the field
-        raise ProtocolError(str(exc), param=param_of(exc)) from None
-
-
-def param_of(exc: Exception) -> str | None:
-    """The field a ValueError from SamplingParams or the engine names first ("top_p must ...")."""
-    match = re.match(r"'?([A-Za-z_]\w*)'?[: ]", str(exc))
-    return match.group(1) if match else None
+    except ParamError as exc:
+        raise ProtocolError.from_param_error(exc) from None
 
 
 def _require_object(body) -> dict:
@@ -222,30 +237,36 @@ def _require_object(body) -> dict:
 
 # ---- requests ------------------------------------------------------------------------------
 
-def parse_completion_request(body, served_names: tuple[str, ...]) -> CompletionRequest:
+def parse_completion_request(body, served_names: tuple[str, ...],
+                             limits: RequestLimits = RequestLimits()) -> CompletionRequest:
     body = _require_object(body)
     model = _model(body, served_names)
     _unsupported(body)
-    prompts = _prompts(body.get("prompt", _MISSING))
+    prompts = _prompts(body.get("prompt", _MISSING), limits)
     stream, include_usage = _stream(body)
-    max_tokens = _int(body, "max_tokens", 16, low=1)
-    logprobs = _int(body, "logprobs", None, low=0, high=MAX_LOGPROBS)
-    params = _sampling(body, max_tokens=max_tokens, logprobs=logprobs)
-    return CompletionRequest(model, prompts, params, stream, include_usage, echo=_bool(body, "echo"))
+    max_tokens = _bounded(body, "max_tokens", 16)
+    logprobs = _bounded(body, "logprobs", None)
+    echo = _bool(body, "echo")
+    if echo and logprobs is not None:
+        raise ProtocolError("'echo' with 'logprobs' asks for the prompt's logprobs, which this server does not "
+                            "compute; drop one of them", param="logprobs", code="unsupported")
+    params = _sampling(body, limits, max_tokens=max_tokens, logprobs=logprobs)
+    return CompletionRequest(model, prompts, params, stream, include_usage, echo=echo)
 
 
-def _prompts(value) -> list[str | list[int]]:
+def _prompts(value, limits: RequestLimits) -> list[str | list[int]]:
     if value is _MISSING or value is None:
         raise ProtocolError("'prompt' is required", param="prompt")
     if isinstance(value, str):
         value = [value]
-    elif isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        value = [value]
+    elif isinstance(value, list) and value and not isinstance(value[0], str | list):
+        value = [value]  # one prompt of token ids (each entry is checked below)
     if not isinstance(value, list) or not value:
         raise ProtocolError("'prompt' must be a string, an array of strings, an array of token ids or an array "
                             "of token id arrays, and not empty", param="prompt")
-    if len(value) > MAX_PROMPTS:
-        raise ProtocolError(f"'prompt' may hold at most {MAX_PROMPTS} prompts, got {len(value)}", param="prompt")
+    if len(value) > limits.max_prompts:
+        raise ProtocolError(f"'prompt' may hold at most {limits.max_prompts} prompts, got {len(value)}",
+                            param="prompt")
     if len({type(item) for item in value}) > 1:
         raise ProtocolError("'prompt' must not mix strings and token id arrays", param="prompt")
     prompts: list[str | list[int]] = []
@@ -253,7 +274,7 @@ def _prompts(value) -> list[str | list[int]]:
         if isinstance(item, str):
             if not item:
                 raise ProtocolError("'prompt' must not be empty", param="prompt")
-            prompts.append(item)
+            prompts.append(check_text(item, "prompt"))
         elif isinstance(item, list) and item:
             prompts.append(_token_id_list(item, "prompt"))
         else:
@@ -262,20 +283,22 @@ def _prompts(value) -> list[str | list[int]]:
     return prompts
 
 
-def parse_chat_request(body, served_names: tuple[str, ...]) -> ChatRequest:
+def parse_chat_request(body, served_names: tuple[str, ...],
+                       limits: RequestLimits = RequestLimits()) -> ChatRequest:
     body = _require_object(body)
     model = _model(body, served_names)
     _unsupported(body)
     messages = _messages(body.get("messages", _MISSING))
     stream, include_usage = _stream(body)
-    max_tokens = _int(body, "max_completion_tokens", None, low=1)
+    max_tokens = _bounded(body, "max_completion_tokens", None, bound="max_tokens")
     if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", None, low=1)
+        max_tokens = _bounded(body, "max_tokens", None)
     want_logprobs = _bool(body, "logprobs")
-    top_logprobs = _int(body, "top_logprobs", None, low=0, high=MAX_LOGPROBS)
+    top_logprobs = _bounded(body, "top_logprobs", None, bound="logprobs")
     if top_logprobs is not None and not want_logprobs:
         raise ProtocolError("'top_logprobs' requires 'logprobs' to be true", param="top_logprobs")
-    params = _sampling(body, max_tokens=max_tokens, logprobs=(top_logprobs or 0) if want_logprobs else None)
+    params = _sampling(body, limits, max_tokens=max_tokens,
+                       logprobs=(top_logprobs or 0) if want_logprobs else None)
     return ChatRequest(model, messages, params, stream, include_usage, want_logprobs,
                        add_generation_prompt=_bool(body, "add_generation_prompt", True))
 
@@ -293,8 +316,9 @@ def _messages(value) -> list[dict]:
         if not isinstance(message, dict):
             raise ProtocolError(f"'{where}' must be an object, got {_type_name(message)}", param=where)
         role = message.get("role")
-        if role not in CHAT_ROLES:
-            raise ProtocolError(f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
+        if not isinstance(role, str) or role not in CHAT_ROLES:
+            shown = repr(role[:40]) if isinstance(role, str) else _type_name(role)
+            raise ProtocolError(f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}, got {shown}",
                                 param=f"{where}.role")
         content = message.get("content")
         if isinstance(content, list):
@@ -308,6 +332,7 @@ def _messages(value) -> list[dict]:
         if not isinstance(content, str):
             raise ProtocolError(f"'{where}.content' must be a string or an array of text parts, got "
                                 f"{_type_name(content)}", param=f"{where}.content")
+        check_text(content, f"{where}.content")
         name = message.get("name")
         if name is not None and not isinstance(name, str):
             raise ProtocolError(f"'{where}.name' must be a string", param=f"{where}.name")

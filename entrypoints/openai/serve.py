@@ -21,7 +21,9 @@ import typing
 from absl import app, flags
 
 from engine.config import EngineConfig
+from engine.sampling_params import MAX_N
 from entrypoints.openai.api_server import ServerConfig, run_server
+from entrypoints.openai.protocol import MAX_PROMPTS
 
 FLAGS = flags.FLAGS
 
@@ -29,8 +31,26 @@ flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0 for ever
 flags.DEFINE_integer("port", 8000, "Port to listen on; 0 picks a free one (printed at start-up).")
 flags.DEFINE_string("api_key", None, "If set, /v1 requests need 'Authorization: Bearer <api_key>'.")
 flags.DEFINE_string("served_model_name", None, "Model name in the API; default: the engine's model name.")
-flags.DEFINE_integer("max_queue_len", None, "Most waiting requests; beyond it new requests get 503 with "
-                     "Retry-After. Default: unbounded.", lower_bound=1)
+flags.DEFINE_integer("max_queue_len", None, "Most waiting sequences (prompts x n); beyond it new requests get "
+                     "503 with Retry-After, and a request larger than it gets 400. Default: unbounded.",
+                     lower_bound=1)
+flags.DEFINE_integer("max_n", MAX_N, "Most samples (n) per prompt.", lower_bound=1, upper_bound=MAX_N)
+flags.DEFINE_integer("max_prompts", MAX_PROMPTS, "Most prompts in one /v1/completions request.", lower_bound=1,
+                     upper_bound=MAX_PROMPTS)
+flags.DEFINE_integer("max_body_bytes", None, "Request body limit in bytes (413 beyond). Default: 1 MiB + 64 bytes "
+                     "per token of max_model_len.", lower_bound=1)
+flags.DEFINE_float("header_timeout_s", 10.0, "Seconds a client has to send a request's line and headers; "
+                   "slower connections are dropped (counted in /metrics). 0: no limit.", lower_bound=0.0)
+flags.DEFINE_float("body_timeout_s", 30.0, "Seconds a client has to send a request body once its headers "
+                   "arrived; slower ones get 408 and are dropped (counted in /metrics). 0: no limit.",
+                   lower_bound=0.0)
+flags.DEFINE_float("keepalive_timeout_s", 15.0, "Seconds an idle keep-alive connection stays open.",
+                   lower_bound=0.0)
+flags.DEFINE_integer("num_prepare_threads", 2, "Worker threads that parse bodies, render chat templates and "
+                     "tokenize, off the event loop.", lower_bound=1, upper_bound=64)
+flags.DEFINE_bool("trust_chat_special_tokens", False, "Let chat message content spell control tokens (e.g. "
+                  "<|im_start|>) that become real ones: only for trusted clients; by default such text stays "
+                  "plain text.")
 flags.DEFINE_float("shutdown_grace_s", 30.0, "After SIGTERM, seconds in-flight requests may take to finish.",
                    lower_bound=0.0)
 flags.DEFINE_enum("log_level", "info", ["debug", "info", "warning", "error"], "Python logging level.")
@@ -110,6 +130,14 @@ def server_config_from_flags() -> ServerConfig:
         api_key=FLAGS.api_key or None,
         served_model_name=FLAGS.served_model_name or None,
         max_queue_len=FLAGS.max_queue_len,
+        max_n=FLAGS.max_n,
+        max_prompts=FLAGS.max_prompts,
+        max_body_bytes=FLAGS.max_body_bytes,
+        header_timeout_s=FLAGS.header_timeout_s,
+        body_timeout_s=FLAGS.body_timeout_s,
+        keepalive_timeout_s=FLAGS.keepalive_timeout_s,
+        num_prepare_threads=FLAGS.num_prepare_threads,
+        trust_chat_special_tokens=FLAGS.trust_chat_special_tokens,
         shutdown_grace_s=FLAGS.shutdown_grace_s,
     )
 

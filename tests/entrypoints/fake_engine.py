@@ -11,7 +11,10 @@
   running request when blocks run out. Aborts and finishes free blocks, so KV usage returns to 0.
 - Stop strings end a sample (excluded from the text); text that could be the start of a stop
   string is held back until it cannot be, like the real engine.
-- A prompt containing "FAIL_STEP" makes the next step raise, to test error isolation.
+- A prompt containing "FAIL_STEP" makes the next step raise, to test error isolation; one
+  containing "KILL_ENGINE" makes it raise and mark the engine dead (`dead_reason`), like a runner
+  that lost its device state.
+- Token ids: the vocabulary is every code point (`vocab_size`); ids of surrogates decode to U+FFFD.
 """
 
 from __future__ import annotations
@@ -41,19 +44,22 @@ class EngineStats:
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     num_compilations: int = 0
+    num_free_blocks: int = 0
+    num_cached_blocks: int = 0
 
 
 class FakeTokenizer:
     pad_token_id = 0
     bos_token_id = 1
     eos_token_id = 2
+    vocab_size = 0x110000 + OFFSET
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = [ord(c) + OFFSET for c in text]
         return [self.bos_token_id, *ids] if add_special_tokens else ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return "".join(chr(i - OFFSET) for i in ids if i >= OFFSET)
+        return "".join("\ufffd" if 0xD800 <= i - OFFSET < 0xE000 else chr(i - OFFSET) for i in ids if i >= OFFSET)
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
         parts = []
@@ -114,18 +120,22 @@ class FakeLLMEngine:
         self._waiting: list[str] = []
         self._running: list[str] = []
         self._stats = EngineStats(num_compilations=3)
+        self.dead_reason: str | None = None
+        self.group_ids: dict[str, str | None] = {}  # request id -> the group_id it came with
 
     # ---- interface ----
 
-    def add_request(self, request_id, prompt, params: SamplingParams, arrival_time=None) -> None:
+    def add_request(self, request_id, prompt, params: SamplingParams, arrival_time=None, group_id=None) -> None:
+        if self.dead_reason is not None:
+            raise RuntimeError(f"the engine is dead: {self.dead_reason}")
         if request_id in self._requests:
             raise ValueError(f"request_id: duplicate request id {request_id!r}")
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
         else:
             ids = list(prompt)
-            if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
-                raise ValueError("prompt: token ids must be non-negative integers")
+            if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.tokenizer.vocab_size for t in ids):
+                raise ValueError("prompt: token ids must be integers in the vocabulary")
         if not ids:
             raise ValueError("prompt: the prompt is empty")
         if len(ids) >= self.max_model_len:
@@ -135,6 +145,7 @@ class FakeLLMEngine:
         text = prompt if isinstance(prompt, str) else None
         self._requests[request_id] = _Request(request_id, text, ids, params, metrics, samples)
         self._waiting.append(request_id)
+        self.group_ids[request_id] = group_id
 
     def abort_request(self, request_id: str) -> bool:
         request = self._requests.pop(request_id, None)
@@ -156,12 +167,19 @@ class FakeLLMEngine:
             num_running=len(self._running),
             num_waiting=len(self._waiting),
             kv_cache_usage=used / self.num_kv_blocks,
+            num_free_blocks=self.num_kv_blocks - used,
         )
 
     def step(self) -> list[RequestOutput]:
         if self.step_sleep:
             time.sleep(self.step_sleep)
-        if any("FAIL_STEP" in self.tokenizer.decode(self._requests[r].prompt_token_ids) for r in self._running + self._waiting):
+        if self.dead_reason is not None:
+            raise RuntimeError(f"the engine is dead: {self.dead_reason}")
+        prompts = [self.tokenizer.decode(self._requests[r].prompt_token_ids) for r in self._running + self._waiting]
+        if any("KILL_ENGINE" in p for p in prompts):
+            self.dead_reason = "injected device loss"
+            raise RuntimeError("injected device loss")
+        if any("FAIL_STEP" in p for p in prompts):
             raise RuntimeError("injected step failure")
         self._admit()
         outputs = []

@@ -9,7 +9,6 @@ from engine.outputs import CompletionOutput
 from entrypoints.openai.protocol import (
     ProtocolError,
     check_context,
-    param_of,
     parse_chat_request,
     parse_completion_request,
 )
@@ -34,13 +33,14 @@ def test_completion_defaults_follow_openai():
 def test_completion_fields_reach_sampling_params():
     body = {"model": "m", "prompt": [[1, 2], [3]], "max_tokens": 5, "temperature": 0, "top_p": 0.5, "top_k": 3,
             "min_p": 0.1, "seed": 4, "stop": "x", "n": 2, "presence_penalty": 1, "frequency_penalty": -1,
-            "logprobs": 0, "stream": True, "stream_options": {"include_usage": True}, "echo": True,
+            "stream": True, "stream_options": {"include_usage": True}, "echo": True,
             "best_of": 2, "ignore_eos": True, "stop_token_ids": [7]}
     req = parse_completion_request(body, NAMES)
     assert req.prompts == [[1, 2], [3]] and req.stream and req.include_usage and req.echo
     p = req.params
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p, p.seed) == (5, 0.0, 0.5, 3, 0.1, 4)
-    assert (p.stop, p.n, p.presence_penalty, p.frequency_penalty, p.logprobs) == (("x",), 2, 1.0, -1.0, 0)
+    assert (p.stop, p.n, p.presence_penalty, p.frequency_penalty, p.logprobs) == (("x",), 2, 1.0, -1.0, None)
+    assert parse_completion_request({"prompt": "a", "logprobs": 0}, NAMES).params.logprobs == 0
     assert p.ignore_eos and p.stop_token_ids == (7,)
 
 
@@ -95,10 +95,7 @@ def test_chat_errors_name_the_message():
     assert info.value.status == 400 and "object" in info.value.message
 
 
-def test_param_of_and_context_check():
-    assert param_of(ValueError("top_p must be > 0.0, got 0")) == "top_p"
-    assert param_of(ValueError("prompt: too long for max_model_len")) == "prompt"
-    assert param_of(ValueError("???")) is None
+def test_context_check():
     check_context(10, 6, 16, prompt_param="prompt")
     with pytest.raises(ProtocolError) as info:
         check_context(16, None, 16, prompt_param="messages")

@@ -1,0 +1,139 @@
+"""Turning a raw HTTP body into a `Job` the engine can run; this runs on the server's worker
+threads, never on the event loop (a 1 MB prompt takes a noticeable time to parse and tokenize).
+
+1. Parse the JSON (a body nested too deeply, or holding a 5000-digit integer, is a 400).
+2. Validate it into a request (`protocol`), with this server's limits.
+3. Refuse what could never be admitted, whatever the load: more sequences (prompts x n) than
+   max_queue_len, more logprobs than the engine keeps.
+4. Tokenize: prompts as they are, chat through the template (`encode_chat`: text in a message never
+   becomes a control token unless the server trusts its clients); token-id prompts are checked
+   against the vocabulary; prompt + max_tokens must fit max_model_len.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import uuid
+
+from engine.sampling_params import SamplingParams
+from entrypoints.openai.protocol import (
+    ProtocolError,
+    RequestLimits,
+    check_context,
+    parse_chat_request,
+    parse_completion_request,
+)
+
+
+@dataclasses.dataclass
+class Job:
+    """One validated HTTP generation request, ready for the engine."""
+
+    chat: bool
+    response_id: str  # also the engine group_id of all its prompts
+    model: str
+    prompt_ids: list[list[int]]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    chat_logprobs: bool = False
+    echo_texts: list[str] | None = None
+    prompt_param: str = "prompt"
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.prompt_ids) * self.params.n
+
+
+def vocab_size_of(engine) -> int | None:
+    """The ids a prompt may hold: what the engine samples over, else the tokenizer's vocabulary."""
+    runner = getattr(engine, "runner", None)
+    return getattr(runner, "sample_vocab_size", None) or getattr(engine.tokenizer, "vocab_size", None)
+
+
+def encode_chat(tokenizer, messages, add_generation_prompt: bool, trusted: bool) -> list[int]:
+    """The chat prompt's ids; tokenizers without `encode_chat` render and encode the text."""
+    method = getattr(tokenizer, "encode_chat", None)
+    if method is not None:
+        return method(messages, add_generation_prompt, special_tokens_in_content=trusted)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def parse_json(raw: bytes):
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise ProtocolError("The request body is nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, bad UTF-8, an integer of over 4300 digits
+        raise ProtocolError(f"The request body is not valid JSON: {str(exc)[:200]}") from None
+
+
+@dataclasses.dataclass
+class Preparer:
+    """What preparing needs to know of the engine and the server; thread-safe (read-only)."""
+
+    tokenizer: object
+    max_model_len: int
+    vocab_size: int | None
+    max_logprobs: int | None
+    served_names: tuple[str, ...]
+    model_name: str
+    limits: RequestLimits
+    max_queue_len: int | None
+    trust_chat_special_tokens: bool = False
+
+    def _check_admission(self, num_prompts: int, params: SamplingParams, prompt_param: str) -> None:
+        """400 for a request that could never be admitted, whatever the load."""
+        if self.max_logprobs is not None and params.logprobs is not None and params.logprobs > self.max_logprobs:
+            raise ProtocolError(f"the number of logprobs must be <= {self.max_logprobs} on this server, got "
+                                f"{params.logprobs}", param="top_logprobs" if prompt_param == "messages" else "logprobs")
+        num_seqs = num_prompts * params.n
+        limit = self.max_queue_len
+        if limit is not None and num_seqs > limit:
+            raise ProtocolError(
+                f"This request needs {num_seqs} sequences ({num_prompts} prompt(s) x n={params.n}), more than this "
+                f"server ever queues (max_queue_len={limit}); send fewer prompts or a smaller n",
+                param="n" if params.n > 1 else prompt_param, code="request_too_large")
+
+    def _check_ids(self, ids: list[int]) -> None:
+        vocab = self.vocab_size
+        if vocab is not None:
+            for t in ids:
+                if t >= vocab:
+                    raise ProtocolError(f"'prompt' holds the token id {t}, outside the vocabulary [0, {vocab})",
+                                        param="prompt")
+
+    def completion(self, raw: bytes) -> Job:
+        req = parse_completion_request(parse_json(raw), self.served_names, self.limits)
+        self._check_admission(len(req.prompts), req.params, "prompt")
+        prompt_ids = []
+        for prompt in req.prompts:
+            if isinstance(prompt, str):
+                ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            else:
+                ids = prompt
+                self._check_ids(ids)
+            check_context(len(ids), req.params.max_tokens, self.max_model_len, prompt_param="prompt")
+            prompt_ids.append(ids)
+        echo = None
+        if req.echo:
+            echo = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in req.prompts]
+        return Job(chat=False, response_id=f"cmpl-{uuid.uuid4().hex}", model=req.model or self.model_name,
+                   prompt_ids=prompt_ids, params=req.params, stream=req.stream,
+                   include_usage=req.include_usage, echo_texts=echo)
+
+    def chat(self, raw: bytes) -> Job:
+        req = parse_chat_request(parse_json(raw), self.served_names, self.limits)
+        self._check_admission(1, req.params, "messages")
+        try:
+            ids = encode_chat(self.tokenizer, req.messages, req.add_generation_prompt, self.trust_chat_special_tokens)
+        except Exception as exc:  # noqa: BLE001 - a template's own raise_exception is the client's error
+            param = getattr(exc, "param", None) or "messages"
+            raise ProtocolError(f"'messages' could not be rendered by the chat template: {str(exc)[:300]}",
+                                param=param) from None
+        check_context(len(ids), req.params.max_tokens, self.max_model_len, prompt_param="messages")
+        return Job(chat=True, response_id=f"chatcmpl-{uuid.uuid4().hex}", model=req.model or self.model_name,
+                   prompt_ids=[ids], params=req.params, stream=req.stream, include_usage=req.include_usage,
+                   chat_logprobs=req.logprobs, prompt_param="messages")
