@@ -114,6 +114,20 @@ def _sse(payload: dict | str) -> str:
     return f"data: {data}\n\n"
 
 
+def _run_detached(fn, raw: bytes):
+    """(fn(raw), None) or (None, the exception without its traceback). Dropping the traceback
+    here frees the frames' locals (a refused prompt's millions of token ids) on this worker
+    thread, instead of on the event loop when the exception is finally released."""
+    try:
+        return fn(raw), None
+    except Exception as exc:  # noqa: BLE001 - re-raised on the event loop
+        error = exc
+        while error is not None:
+            error.__traceback__ = None
+            error = error.__context__
+        return None, exc
+
+
 class OpenAIServer:
     def __init__(self, engine, config: ServerConfig):
         self.config = config
@@ -238,7 +252,10 @@ class OpenAIServer:
 
     async def _prepare(self, fn, raw: bytes) -> Job:
         """Runs `fn(raw)` (parse, tokenize, validate) on the worker threads, off the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, raw)
+        job, error = await asyncio.get_running_loop().run_in_executor(self._pool, _run_detached, fn, raw)
+        if error is not None:
+            raise error
+        return job
 
     # ---- generation ------------------------------------------------------------------------
 

@@ -9,6 +9,8 @@
 - Scheduler: FCFS, at most max_num_seqs running, one token per running sample per step, KV blocks
   of block_size tokens out of num_kv_blocks (minus the null block), preemption of the newest
   running request when blocks run out. Aborts and finishes free blocks, so KV usage returns to 0.
+  max_num_seqs counts requests, but the waiting count in the stats is in sequences (samples), as
+  the real engine's scheduler counts them.
 - Stop strings end a sample (excluded from the text); text that could be the start of a stop
   string is held back until it cannot be, like the real engine.
 - A prompt containing "FAIL_STEP" makes the next step raise, to test error isolation; one
@@ -165,7 +167,7 @@ class FakeLLMEngine:
         return dataclasses.replace(
             self._stats,
             num_running=len(self._running),
-            num_waiting=len(self._waiting),
+            num_waiting=sum(len(self._requests[r].samples) for r in self._waiting),  # in sequences
             kv_cache_usage=used / self.num_kv_blocks,
             num_free_blocks=self.num_kv_blocks - used,
         )
