@@ -1,7 +1,9 @@
 """EngineConfig: every knob of the engine, frozen and validated, with vLLM's names.
 
-Derived values (the resolved dtype, the bucket lists, the number of KV blocks) are computed by
-functions that return them; nothing is written back into the config.
+Derived values (the resolved dtype, the bucket lists in engine/buckets.py, the number of KV
+blocks) are computed by functions that return them; nothing is written back into the config.
+Each list of choices has one home: policies and KV allocations in scheduler/config.py, attention
+backends in pallas_kernels/backend.py.
 """
 
 from __future__ import annotations
@@ -9,9 +11,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
-POLICIES = ("fcfs", "priority", "static")
-KV_ALLOCATIONS = ("paged", "contiguous")
-ATTENTION_BACKENDS = ("auto", "xla", "pallas")
+from scheduler.config import KV_ALLOCATIONS, POLICIES
+
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_COMPILATION_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "jax")
 
@@ -23,6 +24,7 @@ class EngineConfig:
     dtype: str | None = None  # None: float32 on the CPU, bfloat16 on accelerators
     attention_backend: str = "auto"  # auto: Pallas on TPU/GPU, xla on the CPU
     interpret: bool = False  # run Pallas kernels in interpret mode (CPU tests)
+    scan_layers: bool | None = None  # lax.scan over stacked layers; None: the platform's default
     max_num_seqs: int = 32  # requests in one step
     max_num_batched_tokens: int = 256  # tokens in one step (the token budget)
     max_model_len: int | None = None  # None: min(model context, 4096)
@@ -33,6 +35,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # fcfs | priority | static (baseline)
+    # Fairness: one client request (its prompts and n samples) holds at most this fraction of
+    # max_num_seqs running seats while other requests wait; 1.0 = no cap.
+    max_request_share: float = 0.5
     kv_allocation: str = "paged"  # paged | contiguous (baseline)
     seed: int = 0  # random weights' seed and the default sampling key
     token_buckets: tuple[int, ...] | None = None  # padded token counts; None: derived
@@ -46,6 +51,8 @@ class EngineConfig:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"EngineConfig.model must be a non-empty string, got {self.model!r}")
         _choice("dtype", self.dtype, DTYPES, allow_none=True)
+        from pallas_kernels.backend import ATTENTION_BACKENDS  # jax: only once a config is built
+
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _choice("policy", self.policy, POLICIES)
         _choice("kv_allocation", self.kv_allocation, KV_ALLOCATIONS)
@@ -62,9 +69,14 @@ class EngineConfig:
         if isinstance(frac, bool) or not isinstance(frac, int | float) or not 0 < frac <= 1:
             raise ValueError(f"EngineConfig.kv_cache_memory_fraction must be in (0, 1], got {frac!r}")
         _positive("kv_cache_bytes", self.kv_cache_bytes)
+        share = self.max_request_share
+        if isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share <= 1:
+            raise ValueError(f"EngineConfig.max_request_share must be in (0, 1], got {share!r}")
         _positive("max_logprobs", self.max_logprobs)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"EngineConfig.seed must be an integer, got {self.seed!r}")
+        if self.scan_layers is not None and not isinstance(self.scan_layers, bool):
+            raise ValueError(f"EngineConfig.scan_layers must be a boolean or None, got {self.scan_layers!r}")
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "interpret", "precompile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} must be a boolean, got {getattr(self, name)!r}")
@@ -99,42 +111,21 @@ class EngineConfig:
         return cls(**kwargs)
 
 
-def default_buckets(limit: int, *, smallest: int = 1) -> tuple[int, ...]:
-    """Powers of two from `smallest`, then linear steps of the largest power below 512 (padding
-    stays under half, and a small fraction past 512), ending exactly at `limit`.
-
-    Starting at 1 matters on the CPU, where a step's cost grows with its padded token count; on an
-    accelerator decode is memory-bound and a caller may start higher to compile fewer buckets."""
-    buckets: list[int] = []
-    b = smallest
-    while b < limit and b < 512:
-        buckets.append(b)
-        b *= 2
-    step = buckets[-1] if buckets else limit
-    b = (buckets[-1] + step) if buckets else limit
-    while b < limit:
-        buckets.append(b)
-        b += step
-    buckets.append(limit)
-    return tuple(sorted(set(buckets)))
-
-
-def resolve_token_buckets(config: EngineConfig) -> tuple[int, ...]:
-    if config.token_buckets is not None:
-        return config.token_buckets
-    return default_buckets(config.max_num_batched_tokens)
-
-
-def resolve_seq_buckets(config: EngineConfig) -> tuple[int, ...]:
-    if config.seq_buckets is not None:
-        return config.seq_buckets
-    return default_buckets(config.max_num_seqs)
-
-
 def resolve_dtype(config: EngineConfig, platform: str) -> str:
     if config.dtype is not None:
         return config.dtype
     return "float32" if platform == "cpu" else "bfloat16"
+
+
+def resolve_scan_layers(config: EngineConfig, platform: str) -> bool:
+    """None picks the measured default (BUILD_NOTES.md, "Layers: scan or unrolled")."""
+    if config.scan_layers is not None:
+        return config.scan_layers
+    return SCAN_LAYERS_DEFAULT.get(platform, True)
+
+
+# Per platform, from the scan-vs-unrolled measurements in BUILD_NOTES.md.
+SCAN_LAYERS_DEFAULT = {"cpu": True, "gpu": True, "tpu": True}
 
 
 def _choice(name: str, value, choices, *, allow_none: bool = False) -> None:

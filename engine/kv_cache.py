@@ -1,9 +1,11 @@
 """The paged KV cache: its layout, its size, and its allocation on the device.
 
-Layout (the one place it is defined; the kernels' docstrings repeat it): a list with one
-(k_pages, v_pages) pair per layer, each [num_blocks, block_size, num_kv_heads, head_dim] in the
-model dtype. Block 0 is the null block: the scheduler never hands it out, and padding tokens'
-slots and padded block-table entries point into it.
+Layout (the one place it is defined; the kernels' docstrings repeat it): one (k_cache, v_cache)
+pair for all layers, each [num_layers, num_blocks, block_size, num_kv_heads, head_dim] in the
+model dtype; a layer's kernels index their layer in place (a Python int in the unrolled layer
+loop, a traced index inside `lax.scan`), so no layer's cache is ever copied. Block 0 is the null
+block: the scheduler never hands it out, and padding tokens' slots and padded block-table entries
+point into it.
 """
 
 from __future__ import annotations
@@ -41,6 +43,6 @@ def num_blocks_for(
     return max(2, min(budget // per_block, max_useful_blocks))
 
 
-def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: str) -> list:
-    shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
-    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(config.num_layers)]
+def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: str) -> tuple:
+    shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)

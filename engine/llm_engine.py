@@ -2,17 +2,23 @@
 
 A step, in order (DESIGN.md section 2):
 1. `Scheduler.schedule()` decides who runs and with how many tokens (running requests first,
-   then waiting ones, within the token budget), allocating KV blocks.
-2. `ModelRunner.execute()` runs one compiled step over the whole mixed batch and returns the
-   sampled token of every request whose scheduled chunk reached its last known token.
+   then waiting ones, within the token budget), allocating KV blocks, and lists who joined or left.
+2. `ModelRunner.execute()` updates its request table from that list, runs one compiled step over
+   the whole mixed batch and returns, per request that sampled, its tokens and typed logprobs.
 3. `Scheduler.update()` appends those tokens, finishes requests (EOS, stop token, max_tokens,
    max_model_len) and frees their blocks.
 4. The engine detokenizes incrementally, applies stop strings (finishing the request through the
    scheduler), and returns a RequestOutput for every request that advanced.
 
+A step is all-or-nothing: if the runner raises, the step is discarded in the scheduler and the
+requests it carried fail with the error (RequestOutput.error); a runner whose device state was
+lost marks the engine dead (`dead_reason`), and later calls raise EngineDeadError. A failure while
+detokenizing fails only that request.
+
 A request with n > 1 runs as n scheduler requests ("<id>#<i>") that share the prompt; they meet
 again in one RequestOutput. The engine is single-threaded: the async server drives it from one
-thread.
+thread. `LLMEngine(config)` builds its own parts (engine/builder.py); `LLMEngine.from_parts`
+takes a scheduler, a runner and a tokenizer made elsewhere (a fake runner in tests).
 """
 
 from __future__ import annotations
@@ -22,18 +28,22 @@ import itertools
 import time
 import zlib
 
-import jax
-
-from engine.config import EngineConfig, resolve_dtype, resolve_seq_buckets, resolve_token_buckets
-from engine.kv_cache import num_blocks_for
-from engine.model_runner import ModelRunner, RunnerShapes, num_backend_compilations
+from engine.builder import EngineParts, build_parts, scheduler_config_for
+from engine.config import EngineConfig
+from engine.model_runner import num_backend_compilations
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.request_state import RequestState, SequenceState
+from engine.request_table import RowParams
 from engine.sampling_params import SamplingParams
-from engine.step_inputs import RowParams
-from models.loader import load_model
-from pallas_kernels import resolve_backend
-from scheduler import FinishReason, Request, Scheduler, SchedulerConfig
+from scheduler import FinishReason, Request, Scheduler
+
+# Knobs that change only the scheduler (no compiled shape): reconfigure_scheduler() takes these.
+SCHEDULER_KNOBS = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "enable_prefix_caching",
+                   "enable_chunked_prefill", "policy", "kv_allocation", "max_request_share")
+
+
+class EngineDeadError(RuntimeError):
+    """The runner lost its device state; the engine cannot serve any more."""
 
 
 @dataclasses.dataclass
@@ -51,61 +61,74 @@ class EngineStats:
     num_free_blocks: int
     num_cached_blocks: int
     padded_token_fraction: float  # padding tokens / all tokens fed so far
+    num_failed_steps: int = 0  # steps whose runner call raised
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, *, progress: bool = True):
-        self.config = config
-        _enable_compilation_cache(config.compilation_cache_dir)
-        platform = jax.devices()[0].platform
-        self.dtype = resolve_dtype(config, platform)
-        backend = resolve_backend(config.attention_backend, platform)
-        start = time.perf_counter()
-        loaded = load_model(config.model, dtype=self.dtype, seed=config.seed,
-                            tokenizer=config.tokenizer, progress=progress,
-                            cache_dir=config.weights_cache_dir)
-        self.load_seconds = time.perf_counter() - start
-        self.model_config = loaded.config
-        self.tokenizer = loaded.tokenizer
-        self.model_name = _model_name(config.model, loaded.config.name)
-        limit = loaded.config.max_position_embeddings
-        self.max_model_len = config.max_model_len or min(limit, 4096)
-        if self.max_model_len > limit:
-            raise ValueError(f"EngineConfig.max_model_len ({self.max_model_len}) exceeds the model's "
-                             f"context length ({limit})")
-        bs = config.block_size
-        max_blocks_per_seq = -(-self.max_model_len // bs)
-        num_blocks = num_blocks_for(
-            loaded.config, block_size=bs, dtype=self.dtype, num_kv_blocks=config.num_kv_blocks,
-            kv_cache_bytes=config.kv_cache_bytes, memory_fraction=config.kv_cache_memory_fraction,
-            max_useful_blocks=config.max_num_seqs * max_blocks_per_seq + 1)
-        if (num_blocks - 1) * bs < self.max_model_len:
-            raise ValueError(
-                f"the KV cache ({num_blocks - 1} blocks of {bs} tokens) cannot hold one request of "
-                f"max_model_len={self.max_model_len} tokens: raise num_kv_blocks / kv_cache_bytes "
-                "or lower max_model_len")
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len, block_size=bs, num_blocks=num_blocks,
-            enable_prefix_caching=config.enable_prefix_caching,
-            enable_chunked_prefill=config.enable_chunked_prefill, policy=config.policy,
-            kv_allocation=config.kv_allocation))
-        self.shapes = RunnerShapes(
-            token_buckets=resolve_token_buckets(config), seq_buckets=resolve_seq_buckets(config),
-            max_blocks_per_seq=max_blocks_per_seq, num_blocks=num_blocks, block_size=bs,
-            history_len=self.max_model_len, num_logprobs=config.max_logprobs,
-            sample_vocab_size=min(loaded.config.vocab_size, loaded.tokenizer.vocab_size))
-        start = time.perf_counter()
-        self.runner = ModelRunner(loaded.config, loaded.params, self.shapes, dtype=self.dtype,
-                                  attention_backend=backend, interpret=config.interpret,
-                                  precompile=config.precompile, progress=progress)
-        self.compile_seconds = time.perf_counter() - start
-        self.attention_backend = backend
+        self._setup(build_parts(config, progress=progress))
+
+    @classmethod
+    def from_parts(cls, config: EngineConfig, *, scheduler: Scheduler, runner, tokenizer,
+                   model_name: str = "custom") -> LLMEngine:
+        """An engine over parts built elsewhere; `runner` needs `execute(scheduler_output)` and
+        `sample_vocab_size` (the ids a prompt may hold)."""
+        engine = cls.__new__(cls)
+        engine._setup(EngineParts(config=config, scheduler=scheduler, runner=runner,
+                                  tokenizer=tokenizer, max_model_len=scheduler.config.max_model_len,
+                                  model_name=model_name))
+        return engine
+
+    def _setup(self, parts: EngineParts) -> None:
+        self.config = parts.config
+        self.scheduler = parts.scheduler
+        self.runner = parts.runner
+        self.tokenizer = parts.tokenizer
+        self.max_model_len = parts.max_model_len
+        self.model_name = parts.model_name
+        self.model_config = parts.model_config
+        self.dtype = parts.dtype
+        self.attention_backend = parts.attention_backend
+        self.load_seconds = parts.load_seconds
+        self.compile_seconds = parts.compile_seconds
+        self.dead_reason: str | None = None
+        self._num_blocks = parts.scheduler.config.num_blocks  # the cache the runner allocated
         self._requests: dict[str, RequestState] = {}
         self._seqs: dict[str, SequenceState] = {}
         self._seed_counter = itertools.count()
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
+        self._num_failed_steps = 0
+
+    def reconfigure_scheduler(self, **changes) -> Scheduler:
+        """A new scheduler with changed knobs (SCHEDULER_KNOBS, EngineConfig's names), over the
+        same compiled runner; only while no request is in flight. `config` follows the change."""
+        unknown = sorted(set(changes) - set(SCHEDULER_KNOBS))
+        if unknown:
+            raise ValueError(f"reconfigure_scheduler: {', '.join(unknown)} cannot change after start-up "
+                             f"(scheduler knobs: {', '.join(SCHEDULER_KNOBS)})")
+        if self.has_unfinished_requests() or self.scheduler.has_unfinished_requests():
+            raise ValueError("reconfigure_scheduler needs an idle engine: requests are in flight; finish or abort them first")
+        config = dataclasses.replace(self.config, **changes)
+        shapes = getattr(self.runner, "shapes", None)
+        num_blocks = config.num_kv_blocks or self._num_blocks
+        if shapes is not None:
+            if num_blocks > shapes.num_blocks:
+                raise ValueError(f"reconfigure_scheduler: num_kv_blocks={num_blocks} exceeds the "
+                                 f"allocated cache ({shapes.num_blocks} blocks)")
+            if config.max_num_batched_tokens > shapes.token_buckets[-1]:
+                raise ValueError(f"reconfigure_scheduler: max_num_batched_tokens="
+                                 f"{config.max_num_batched_tokens} exceeds the largest compiled "
+                                 f"token bucket ({shapes.token_buckets[-1]})")
+            if config.max_num_seqs > shapes.max_num_seqs:
+                raise ValueError(f"reconfigure_scheduler: max_num_seqs={config.max_num_seqs} exceeds "
+                                 f"the largest compiled sequence bucket ({shapes.max_num_seqs})")
+        # The old scheduler's last finishes reach the runner's table with one empty step.
+        self.runner.execute(self.scheduler.schedule())
+        self.scheduler = Scheduler(scheduler_config_for(config, max_model_len=self.max_model_len,
+                                                        num_blocks=num_blocks))
+        self.config = config
+        return self.scheduler
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -117,7 +140,7 @@ class LLMEngine:
             ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         elif isinstance(prompt, list | tuple):
             ids = list(prompt)
-            vocab = self.shapes.sample_vocab_size
+            vocab = self.runner.sample_vocab_size
             for t in ids:
                 if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                     raise ValueError(f"prompt: token id {t!r} is not an integer in [0, {vocab})")
@@ -132,7 +155,11 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None, *, add_special_tokens: bool = True,
-                    priority: int = 0, prompt_text: str | None = None) -> None:
+                    priority: int = 0, prompt_text: str | None = None,
+                    group_id: str | None = None) -> None:
+        """Queues a request. `group_id` ties the prompts of one client request together for the
+        fairness cap (EngineConfig.max_request_share); by default the request is its own group."""
+        self._check_alive()
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -156,12 +183,15 @@ class LLMEngine:
         for i in range(params.n):
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
             seed = zlib.crc32(f"{base_seed}/{i}".encode())
-            row = RowParams(params.temperature, params.top_k if params.top_k > 0 else 0, params.top_p,
-                            params.min_p, params.presence_penalty, params.frequency_penalty,
+            # top_k past the vocabulary keeps everything: clamped, so it always fits an int32.
+            top_k = min(params.top_k, self.runner.sample_vocab_size) if params.top_k > 0 else 0
+            row = RowParams(params.temperature, top_k, params.top_p, params.min_p,
+                            params.presence_penalty, params.frequency_penalty,
                             params.repetition_penalty, seed, params.logprobs is not None)
             sched_req = Request(seq_id, ids, max_tokens, eos_token_id=None if params.ignore_eos
                                 else self.tokenizer.eos_token_id, stop_token_ids=stop_ids,
-                                ignore_eos=params.ignore_eos, priority=priority, arrival_time=arrival)
+                                ignore_eos=params.ignore_eos, priority=priority, arrival_time=arrival,
+                                sampling=row, group_id=group_id or request_id)
             seq = SequenceState(seq_id, i, state, sched_req, row, self.tokenizer)
             state.seqs.append(seq)
         for seq in state.seqs:  # validated as a whole before any of it reaches the scheduler
@@ -185,29 +215,59 @@ class LLMEngine:
     # -- the step -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        self._check_alive()
         out = self.scheduler.schedule()
-        if out.is_empty:
-            return []
-        result = self.runner.execute(out, self._row_params, self._history)
+        try:
+            result = self.runner.execute(out)  # also tells the runner's table who joined or left
+        except Exception as exc:  # all-or-nothing: the step is dropped, its requests fail
+            return self._fail_step(out, exc)
         finished = {r.req_id: r for r in self.scheduler.update(out, result)}
         now = time.monotonic()
         touched: dict[str, RequestState] = {}
-        extras = result.extras or {}
-        for i, (seq_id, token) in enumerate(zip(result.req_ids, result.sampled_token_ids)):
+        logprobs = result.logprobs or [None] * len(result.req_ids)
+        for seq_id, lps in zip(result.req_ids, logprobs):
             seq = self._seqs.get(seq_id)
             if seq is None:
                 continue
-            lp = (extras["logprobs"][i], extras["top_logprobs"][i]) if seq.row.logprobs else None
-            self._num_generation_tokens += 1
-            if seq.append(token, lp, now) and seq_id not in finished:
+            kept = seq.request.output_token_ids[seq.num_tokens_seen :]  # update() may cut at a stop
+            self._num_generation_tokens += len(kept)
+            try:
+                stopped = seq.append(kept, lps, now)
+            except Exception as exc:  # a detokenizer or stop-check fault fails this request only
+                self.scheduler.abort_request(seq_id)
+                seq.error = f"{type(exc).__name__}: {exc}"
+                finished[seq_id] = seq.request
+                stopped = False
+            if stopped and seq_id not in finished:
                 self.scheduler.finish_request(seq_id, FinishReason.STOP)
                 finished[seq_id] = seq.request
             touched[seq.parent.request_id] = seq.parent
         for seq_id, req in finished.items():
-            seq = self._seqs.pop(seq_id, None)
+            self._finish_seq(seq_id, str(req.finish_reason or FinishReason.STOP), now, touched)
+        return self._collect(touched)
+
+    def _fail_step(self, out, exc: Exception) -> list[RequestOutput]:
+        self.scheduler.discard_step(out)
+        self._num_failed_steps += 1
+        if not getattr(self.runner, "healthy", True):
+            self.dead_reason = f"the runner lost its device state in a step: {type(exc).__name__}: {exc}"
+        now = time.monotonic()
+        touched: dict[str, RequestState] = {}
+        for sr in out.scheduled:
+            seq = self._seqs.get(sr.req_id)
             if seq is not None:
-                seq.finish(str(req.finish_reason or FinishReason.STOP), now)
-                touched[seq.parent.request_id] = seq.parent
+                self.scheduler.abort_request(sr.req_id)
+                seq.error = f"the step failed: {type(exc).__name__}: {exc}"
+                self._finish_seq(sr.req_id, "abort", now, touched)
+        return self._collect(touched)
+
+    def _finish_seq(self, seq_id: str, reason: str, now: float, touched: dict) -> None:
+        seq = self._seqs.pop(seq_id, None)
+        if seq is not None:
+            seq.finish(reason, now)
+            touched[seq.parent.request_id] = seq.parent
+
+    def _collect(self, touched: dict[str, RequestState]) -> list[RequestOutput]:
         outputs = []
         for state in touched.values():
             outputs.append(state.output())
@@ -215,18 +275,17 @@ class LLMEngine:
                 self._requests.pop(state.request_id, None)
         return outputs
 
-    def _row_params(self, seq_id: str) -> RowParams:
-        return self._seqs[seq_id].row
-
-    def _history(self, seq_id: str):
-        req = self._seqs[seq_id].request
-        return req.prompt_token_ids, req.output_token_ids
+    def _check_alive(self) -> None:
+        if self.dead_reason is not None:
+            raise EngineDeadError(f"the engine is dead: {self.dead_reason}")
 
     # -- observability ------------------------------------------------------------------------
 
     def get_stats(self) -> EngineStats:
         s = self.scheduler.stats
-        fed = self.runner.num_real_tokens + self.runner.num_padded_tokens
+        real = getattr(self.runner, "num_real_tokens", 0)
+        padded = getattr(self.runner, "num_padded_tokens", 0)
+        fed = real + padded
         return EngineStats(
             num_running=s.num_running, num_waiting=s.num_waiting, kv_cache_usage=s.kv_cache_usage,
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
@@ -234,20 +293,7 @@ class LLMEngine:
             num_generation_tokens=self._num_generation_tokens,
             num_compilations=num_backend_compilations(), num_steps=s.num_steps,
             num_free_blocks=s.num_free_blocks, num_cached_blocks=s.num_cached_blocks,
-            padded_token_fraction=self.runner.num_padded_tokens / fed if fed else 0.0)
+            padded_token_fraction=padded / fed if fed else 0.0, num_failed_steps=self._num_failed_steps)
 
 
-def _model_name(spec: str, config_name: str) -> str:
-    if spec == "default":
-        return "SmolLM2-135M-Instruct"
-    return config_name
-
-
-def _enable_compilation_cache(folder: str | None) -> None:
-    if not folder or jax.config.jax_compilation_cache_dir:
-        return  # off, or already chosen by the caller (tests, notebooks)
-    jax.config.update("jax_compilation_cache_dir", folder)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-
-
-__all__ = ["CompletionOutput", "EngineStats", "LLMEngine"]
+__all__ = ["CompletionOutput", "EngineDeadError", "EngineStats", "LLMEngine"]

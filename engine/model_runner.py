@@ -1,32 +1,36 @@
 """ModelRunner: the scheduler's plan in, sampled tokens out, through one compiled step per bucket.
 
-1. At start-up every bucket (padded tokens T, padded sequences S) is lowered against abstract
-   shapes and compiled ahead of time, with a progress bar; the persistent compilation cache makes
-   a restart fast. A step whose shape falls outside the buckets is an error, never a recompile.
-2. `execute(scheduler_output)` fills the bucket's flat input buffer (BatchBuilder; every StepInputs
-   field is a view into it), moves it to the device in one transfer, and runs the bucket's
-   executable, which unpacks it into StepInputs with static offsets. The KV cache is donated, so
-   each layer's new K/V is written in place by one scatter.
+1. At start-up every bucket (padded tokens T, sequences S, logit rows L; engine/buckets.py) is
+   lowered against abstract shapes and compiled ahead of time, with a progress bar; the
+   persistent compilation cache makes a restart fast. A step whose shape falls outside the
+   buckets is an error, never a recompile.
+2. `execute(scheduler_output)` first updates the request table (engine/request_table.py: the
+   requests that left are dropped, the ones that joined get a slot), then fills the bucket's flat
+   input buffer (BatchBuilder; every StepInputs field is a view into it), moves it to the device
+   in one transfer, and runs the bucket's executable. The KV cache and the table state are
+   donated, so each layer's new K/V and each sampled token's count are written in place.
 3. The step returns one packed float32 array (see engine/sampler.py); one device-to-host copy
-   gives every sampled id and logprob as Python numbers in a StepResult.
+   gives every sampled id and its logprobs, read into a StepResult: per request, a list of
+   tokens and typed logprobs (TokenLogprobs).
+The runner never calls the scheduler or the engine back: everything it needs is in the output.
 """
 
 from __future__ import annotations
 
-import bisect
-import dataclasses
 import functools
 
 import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from engine.buckets import Bucket, RunnerShapes
 from engine.kv_cache import allocate_kv_cache
+from engine.request_table import RequestTable
 from engine.sampler import sample
 from engine.step_inputs import BatchBuilder, StepLayout
 from models.config import ModelConfig
-from models.llama import forward_paged
-from scheduler import SchedulerOutput, StepResult
+from models.llama import forward_paged, stack_layers
+from scheduler import SchedulerOutput, StepResult, TokenLogprobs
 
 _compile_events = [0]
 
@@ -44,102 +48,101 @@ def num_backend_compilations() -> int:
     return _compile_events[0]
 
 
-@dataclasses.dataclass(frozen=True)
-class RunnerShapes:
-    token_buckets: tuple[int, ...]
-    seq_buckets: tuple[int, ...]
-    max_blocks_per_seq: int
-    num_blocks: int
-    block_size: int
-    history_len: int  # penalty history per row (max_model_len)
-    num_logprobs: int  # top logprobs computed per row when asked
-    sample_vocab_size: int  # ids the tokenizer knows: logits past it are never sampled
-
-    def bucket_for(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
-        """The smallest (T, S) pair that fits; S follows T (see `pairs`)."""
-        i = bisect.bisect_left(self.token_buckets, num_tokens)
-        if i == len(self.token_buckets):
-            raise ValueError(f"{num_tokens} tokens exceed the largest token bucket {self.token_buckets[-1]}")
-        for t in self.token_buckets[i:]:
-            s = self.seq_bucket_for_tokens(t)
-            if s >= num_seqs:
-                return t, s
-        raise ValueError(f"{num_seqs} sequences exceed the largest sequence bucket {self.seq_buckets[-1]}")
-
-    def seq_bucket_for_tokens(self, t: int) -> int:
-        """Each token bucket compiles with one sequence count: enough rows for min(T, max rows)."""
-        want = min(t, self.seq_buckets[-1])
-        return self.seq_buckets[bisect.bisect_left(self.seq_buckets, want)]
-
-    def pairs(self) -> list[tuple[int, int]]:
-        return [(t, self.seq_bucket_for_tokens(t)) for t in self.token_buckets]
-
-
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, params, shapes: RunnerShapes, *, dtype: str,
-                 attention_backend: str, interpret: bool = False, precompile: bool = True,
-                 progress: bool = True):
+                 attention_backend: str, interpret: bool = False, scan_layers: bool = False,
+                 precompile: bool = True, progress: bool = True):
         self.model_config = model_config
-        self.params = params
+        self.params = stack_layers(params) if scan_layers else params
+        self.scan_layers = scan_layers
         self.shapes = shapes
         self.dtype = dtype
         self.kv_cache = allocate_kv_cache(model_config, shapes.num_blocks, shapes.block_size, dtype)
-        self.builder = BatchBuilder(
-            max_blocks_per_seq=shapes.max_blocks_per_seq, block_size=shapes.block_size,
-            history_len=shapes.history_len, vocab_size=shapes.sample_vocab_size)
+        self.table = RequestTable(shapes.max_num_seqs, shapes.sample_vocab_size)
+        self.builder = BatchBuilder(max_blocks_per_seq=shapes.max_blocks_per_seq,
+                                    block_size=shapes.block_size)
         self._step = functools.partial(_step, config=model_config, attention_backend=attention_backend,
                                        interpret=interpret, num_logprobs=shapes.num_logprobs,
                                        sample_vocab_size=shapes.sample_vocab_size)
-        self._compiled: dict[tuple[int, int], object] = {}
-        self.num_compilations = 0  # buckets compiled by this runner
+        self._compiled: dict[Bucket, object] = {}
         self.num_padded_tokens = 0  # padding tokens fed so far (for the padding share)
         self.num_real_tokens = 0
         if precompile:
             self.compile_all(progress=progress)
 
+    @property
+    def sample_vocab_size(self) -> int:
+        return self.shapes.sample_vocab_size
+
+    @property
+    def healthy(self) -> bool:
+        """False once a failed step has consumed the donated device state (cache, table)."""
+        arrays = (*self.kv_cache, self.table.state.output_counts)
+        return not any(a.is_deleted() for a in arrays)
+
     def compile_all(self, progress: bool = True) -> None:
-        pairs = self.shapes.pairs()
-        for t, s in tqdm(pairs, desc="compiling buckets", unit="bucket", disable=not progress, leave=False):
-            self._executable(t, s)
+        for bucket in tqdm(self.shapes.buckets(), desc="compiling buckets", unit="bucket",
+                           disable=not progress, leave=False):
+            self._executable(bucket)
 
-    def _executable(self, t: int, s: int):
-        key = (t, s)
-        if key not in self._compiled:
-            if key not in self.shapes.pairs():
-                raise ValueError(f"shape (tokens={t}, seqs={s}) is not a declared bucket: {self.shapes.pairs()}")
-            layout = self.builder.layout(t, s)
-            step = jax.jit(functools.partial(self._step, layout=layout), donate_argnums=(1,))
+    def _layout(self, bucket: Bucket) -> StepLayout:
+        return self.builder.layout(bucket.padded_tokens, bucket.padded_seqs, bucket.padded_logits)
+
+    def _executable(self, bucket: Bucket):
+        if bucket not in self._compiled:
+            if bucket not in self.shapes.buckets():
+                raise ValueError(f"shape {bucket} is not a declared bucket: {self.shapes.buckets()}")
+            layout = self._layout(bucket)
+            step = jax.jit(functools.partial(self._step, layout=layout), donate_argnums=(1, 2))
             flat = jax.ShapeDtypeStruct((layout.size,), np.int32)
-            self._compiled[key] = step.lower(self.params, self.kv_cache, flat).compile()
-            self.num_compilations += 1
-        return self._compiled[key]
+            self._compiled[bucket] = step.lower(self.params, self.kv_cache, self.table.state, flat).compile()
+        return self._compiled[bucket]
 
-    def execute(self, out: SchedulerOutput, row_params, histories) -> StepResult:
-        num_tokens = out.num_batched_tokens
-        t, s = self.shapes.bucket_for(num_tokens, len(out.scheduled))
-        flat = self.builder.build(out, t, s, row_params, histories)
-        self.num_real_tokens += num_tokens
-        self.num_padded_tokens += t - num_tokens
-        executable = self._executable(t, s)
-        self.kv_cache, packed = executable(self.params, self.kv_cache, jax.device_put(flat))
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        self.table.apply(out)
+        if out.is_empty:
+            return StepResult([], [])
+        num_logits = sum(sr.num_logits for sr in out.scheduled)
+        bucket = self.shapes.bucket_for(out.num_batched_tokens, len(out.scheduled), num_logits)
+        built = self.builder.build(out, self._layout(bucket), self.table)
+        executable = self._executable(bucket)
+        self.kv_cache, self.table.state, packed = executable(
+            self.params, self.kv_cache, self.table.state, jax.device_put(built.buffer))
         host = np.asarray(jax.device_get(packed))
-        req_ids, token_ids, sampled_logprobs, top = [], [], [], []
+        self.num_real_tokens += out.num_batched_tokens
+        self.num_padded_tokens += bucket.padded_tokens - out.num_batched_tokens
+        sampling = built.row_num_logits > 0
+        self.table.commit(built.row_slots, built.row_num_logits)
+        return self._read_result(out, host, built.row_num_logits, built.row_slots, sampling)
+
+    def _read_result(self, out, host, row_num_logits, row_slots, sampling) -> StepResult:
         k = self.shapes.num_logprobs
+        wants = self.table.wants_logprobs_np[row_slots]
+        ids = host[:, 0].astype(np.int64).tolist()
+        req_ids, tokens, logprobs = [], [], []
+        any_logprobs = bool(wants[sampling].any())
+        i = 0
         for row, sr in enumerate(out.scheduled):
-            if not sr.sample:
+            n = int(row_num_logits[row])
+            if not n:
                 continue
             req_ids.append(sr.req_id)
-            token_ids.append(int(host[row, 0]))
-            sampled_logprobs.append(float(host[row, 1]))
-            if k:
-                top.append((host[row, 2 : 2 + k].astype(np.int64).tolist(), host[row, 2 + k :].tolist()))
-        return StepResult(req_ids, token_ids, {"logprobs": sampled_logprobs, "top_logprobs": top})
+            tokens.append(ids[i : i + n])
+            if any_logprobs:
+                logprobs.append([
+                    TokenLogprobs(float(host[j, 1]), host[j, 2 : 2 + k].astype(np.int64).tolist(),
+                                  host[j, 2 + k :].tolist())
+                    for j in range(i, i + n)] if wants[row] else None)
+            i += n
+        return StepResult(req_ids, tokens, logprobs if any_logprobs else None)
 
 
-def _step(params, kv_cache, flat, *, layout: StepLayout, config, attention_backend, interpret,
+def _step(params, kv_cache, table, flat, *, layout: StepLayout, config, attention_backend, interpret,
           num_logprobs, sample_vocab_size):
     inputs = layout.unpack(flat)
+    table = table.with_joins(inputs.join_slots, inputs.join_values())
     kv_cache, logits = forward_paged(params, config, kv_cache, inputs,
                                      attention_backend=attention_backend, interpret=interpret)
     # A checkpoint may pad its vocabulary past the tokenizer's: those ids are never sampled.
-    return kv_cache, sample(logits[:, :sample_vocab_size], inputs, num_logprobs=num_logprobs)
+    table, packed = sample(logits[:, :sample_vocab_size], inputs, table, num_logprobs=num_logprobs)
+    return kv_cache, table, packed

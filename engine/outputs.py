@@ -18,6 +18,7 @@ class CompletionOutput:
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     logprobs: list[dict[int, float]] | None = None  # per generated token: {token id: logprob}
     cumulative_logprob: float | None = None
+    error: str | None = None  # set when the sequence failed (finish_reason "abort")
 
     @property
     def finished(self) -> bool:

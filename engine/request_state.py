@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.request_table import RowParams
 from engine.sampling_params import SamplingParams
-from engine.step_inputs import RowParams
 from text.detokenizer import IncrementalDetokenizer
 
 
@@ -33,7 +33,7 @@ class RequestState:
                 index=s.index, text=s.visible_text, token_ids=list(s.request.output_token_ids),
                 finish_reason=s.finish_reason, stop_reason=s.stop_reason,
                 logprobs=list(s.logprobs) if s.logprobs is not None else None,
-                cumulative_logprob=s.cumulative_logprob)
+                cumulative_logprob=s.cumulative_logprob, error=s.error)
             for s in self.seqs
         ]
         self.metrics.num_cached_tokens = max((s.request.num_cached_tokens for s in self.seqs), default=0)
@@ -61,21 +61,28 @@ class SequenceState:
         self.stop_reason: str | int | None = None
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        self.num_tokens_seen = 0  # output tokens already detokenized
+        self.error: str | None = None  # why the sequence failed (a step or detokenizer fault)
 
-    def append(self, token: int, logprob, now: float) -> bool:
-        """Takes one sampled token; True when a stop string ended the sequence."""
+    def append(self, tokens: list[int], logprobs, now: float) -> bool:
+        """Takes the tokens a step kept (and their TokenLogprobs, or None); True when a stop
+        string ended the sequence."""
+        if not tokens:
+            return False
+        self.num_tokens_seen += len(tokens)
         metrics = self.parent.metrics
         if metrics.first_token_time is None:
             metrics.first_token_time = now
         metrics.last_token_time = now
-        if logprob is not None:
-            sampled, (top_ids, top_vals) = logprob
-            entry = {int(t): float(v) for t, v in zip(top_ids[: self.num_logprobs], top_vals[: self.num_logprobs])}
-            entry[int(token)] = float(sampled)
-            self.logprobs.append(entry)
-            self.cumulative_logprob += float(sampled)
+        if logprobs is not None and self.logprobs is not None:
+            k = self.num_logprobs
+            for token, lp in zip(tokens, logprobs):
+                entry = dict(zip(lp.top_token_ids[:k], lp.top_logprobs[:k]))
+                entry[token] = lp.logprob
+                self.logprobs.append(entry)
+                self.cumulative_logprob += lp.logprob
         previous = len(self.text)
-        self.text += self.detok.add([token])
+        self.text += self.detok.add(tokens)
         if self.stops and self._check_stop(previous):
             return True
         self.visible_text = self.text[: len(self.text) - self._held_back()]

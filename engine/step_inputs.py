@@ -1,10 +1,12 @@
 """StepInputs: everything one compiled step reads, as one pytree, and the batch builder that fills it.
 
-Shapes are padded to a bucket: T tokens, S sequences (DESIGN.md section 5). On the host every field
-is a view into ONE flat int32 buffer per bucket (float32 and uint32 fields are bit-cast views), so
-a step moves all of its inputs to the device in one transfer; inside the compiled step
-`StepLayout.unpack` slices the flat array back into StepInputs with static offsets. Buffers are
-allocated once per bucket and refilled every step.
+Shapes are padded to a bucket: T tokens, S sequences, L logit rows (DESIGN.md section 5). On the
+host every field is a view into ONE flat int32 buffer per bucket (float32 and uint32 fields are
+bit-cast views), so a step moves all of its inputs to the device in one transfer; inside the
+compiled step `StepLayout.unpack` slices the flat array back into StepInputs with static offsets.
+Buffers are allocated once per bucket and refilled every step. Per-request sampling state lives
+in the runner's request table on the device (engine/request_table.py): only the rows that join in
+this step carry their values here, so nothing sized max_model_len crosses per step.
 """
 
 from __future__ import annotations
@@ -16,47 +18,55 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from engine.request_table import SAMPLING_FIELDS, RequestTable
 from scheduler import SchedulerOutput
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class StepInputs:
+    # -- attention (the model) --
     input_ids: jax.Array  # int32[T] token to feed; 0 for padding
     positions: jax.Array  # int32[T] position of each token in its sequence; 0 for padding
     slot_mapping: jax.Array  # int32[T] KV slot (block_id * block_size + offset); null block for padding
     query_start_loc: jax.Array  # int32[S+1] cumulative token offsets; padded rows repeat the end
     seq_lens: jax.Array  # int32[S] KV length after this step; 0 for padded rows
     block_tables: jax.Array  # int32[S, max_blocks_per_seq] block ids; 0 (null block) past the end
-    logits_indices: jax.Array  # int32[S] index of each row's last token in input_ids
     num_seqs: jax.Array  # int32[] number of real rows
-    temperature: jax.Array  # float32[S] 0 = greedy
-    top_k: jax.Array  # int32[S] 0 = off
-    top_p: jax.Array  # float32[S] 1 = off
-    min_p: jax.Array  # float32[S] 0 = off
-    presence_penalty: jax.Array  # float32[S]
-    frequency_penalty: jax.Array  # float32[S]
-    repetition_penalty: jax.Array  # float32[S] 1 = off
-    rng_seeds: jax.Array  # uint32[S] per-request seed (a request's tokens depend on it only)
-    rng_steps: jax.Array  # int32[S] the request's output index: the key is fold_in(seed, step)
-    penalty_tokens: jax.Array  # int32[S, H] output ids, prompt ids + vocab, -1 = none (H = max_model_len)
+    # -- sampling: one logit row per sampled position (a row's last num_logits tokens) --
+    logits_indices: jax.Array  # int32[L] token index of each logit row; 0 for padding
+    logits_slots: jax.Array  # int32[L] request-table slot of the row's request; R for padding
+    logits_steps: jax.Array  # int32[L] output index of the token it samples (the rng step)
     flags: jax.Array  # int32[4] any row: [samples randomly, uses a filter, uses a penalty, wants logprobs]
+    # -- request-table joins: rows whose sampling values are not on the device yet --
+    join_slots: jax.Array  # int32[S] slot to write; R = no join (dropped)
+    join_temperature: jax.Array  # float32[S]
+    join_top_k: jax.Array  # int32[S]
+    join_top_p: jax.Array  # float32[S]
+    join_min_p: jax.Array  # float32[S]
+    join_presence_penalty: jax.Array  # float32[S]
+    join_frequency_penalty: jax.Array  # float32[S]
+    join_repetition_penalty: jax.Array  # float32[S]
+    join_seed: jax.Array  # uint32[S]
+
+    def join_values(self) -> dict:
+        return {name: getattr(self, "join_" + name) for name, _, _ in SAMPLING_FIELDS}
 
 
-_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty")
+_DTYPES = {f"join_{name}": dtype for name, dtype, _ in SAMPLING_FIELDS}
 
 
 class StepLayout:
     """Where each StepInputs field of one bucket lives in the flat int32 buffer."""
 
-    def __init__(self, padded_tokens: int, padded_seqs: int, max_blocks_per_seq: int, history_len: int):
-        t, s = padded_tokens, padded_seqs
+    def __init__(self, padded_tokens: int, padded_seqs: int, padded_logits: int, max_blocks_per_seq: int):
+        t, s, lg = padded_tokens, padded_seqs, padded_logits
+        self.padded_tokens, self.padded_seqs, self.padded_logits = t, s, lg
         shapes = {
             "input_ids": (t,), "positions": (t,), "slot_mapping": (t,), "query_start_loc": (s + 1,),
-            "seq_lens": (s,), "block_tables": (s, max_blocks_per_seq), "logits_indices": (s,),
-            "num_seqs": (), "top_k": (s,), "rng_seeds": (s,), "rng_steps": (s,),
-            "penalty_tokens": (s, history_len), "flags": (4,), **dict.fromkeys(_FLOAT_FIELDS, (s,)),
+            "seq_lens": (s,), "block_tables": (s, max_blocks_per_seq), "num_seqs": (),
+            "logits_indices": (lg,), "logits_slots": (lg,), "logits_steps": (lg,), "flags": (4,),
+            "join_slots": (s,), **{name: (s,) for name in _DTYPES},
         }
         self.slices: dict[str, tuple[int, int, tuple[int, ...]]] = {}
         offset = 0
@@ -71,10 +81,9 @@ class StepLayout:
     def _view(self, name: str) -> np.ndarray:
         start, end, shape = self.slices[name]
         flat = self.buffer[start:end]
-        if name in _FLOAT_FIELDS:
-            flat = flat.view(np.float32)
-        elif name == "rng_seeds":
-            flat = flat.view(np.uint32)
+        dtype = _DTYPES.get(name, np.int32)
+        if dtype is not np.int32:
+            flat = flat.view(dtype)
         return flat.reshape(shape)
 
     def unpack(self, flat: jax.Array) -> StepInputs:
@@ -82,107 +91,89 @@ class StepLayout:
         fields = {}
         for name, (start, end, shape) in self.slices.items():
             x = flat[start:end].reshape(shape)
-            if name in _FLOAT_FIELDS:
-                x = jax.lax.bitcast_convert_type(x, jnp.float32)
-            elif name == "rng_seeds":
-                x = jax.lax.bitcast_convert_type(x, jnp.uint32)
+            dtype = _DTYPES.get(name, np.int32)
+            if dtype is not np.int32:
+                x = jax.lax.bitcast_convert_type(x, jnp.dtype(dtype))
             fields[name] = x
         return StepInputs(**fields)
 
 
-@dataclasses.dataclass(frozen=True)
-class RowParams:
-    """Per-request sampling values, precomputed once at add_request (host side)."""
+@dataclasses.dataclass
+class BuiltStep:
+    """A filled buffer plus what the runner needs to read the step's output back."""
 
-    temperature: float
-    top_k: int
-    top_p: float
-    min_p: float
-    presence_penalty: float
-    frequency_penalty: float
-    repetition_penalty: float
-    seed: int  # already reduced to uint32
-    logprobs: bool  # wants top logprobs
-
-    @property
-    def uses_penalty(self) -> bool:
-        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
-
-    @property
-    def uses_filter(self) -> bool:
-        return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
+    buffer: np.ndarray  # the bucket's flat int32 buffer
+    row_slots: np.ndarray  # int32[num_seqs] table slot of each scheduled row
+    row_num_logits: np.ndarray  # int32[num_seqs] logit rows of each scheduled row
+    num_logits: int  # real logit rows (the first num_logits of L)
 
 
 class BatchBuilder:
     """Turns a SchedulerOutput into the flat input buffer of its bucket."""
 
-    def __init__(self, *, max_blocks_per_seq: int, block_size: int, history_len: int, vocab_size: int):
+    def __init__(self, *, max_blocks_per_seq: int, block_size: int):
         self.block_size = block_size
-        self.vocab_size = vocab_size
         self.max_blocks_per_seq = max_blocks_per_seq
-        self.history_len = history_len
-        self._layouts: dict[tuple[int, int], StepLayout] = {}
+        self._layouts: dict[tuple[int, int, int], StepLayout] = {}
 
-    def layout(self, padded_tokens: int, padded_seqs: int) -> StepLayout:
-        key = (padded_tokens, padded_seqs)
+    def layout(self, padded_tokens: int, padded_seqs: int, padded_logits: int) -> StepLayout:
+        key = (padded_tokens, padded_seqs, padded_logits)
         if key not in self._layouts:
-            self._layouts[key] = StepLayout(padded_tokens, padded_seqs, self.max_blocks_per_seq,
-                                            self.history_len)
+            self._layouts[key] = StepLayout(*key, self.max_blocks_per_seq)
         return self._layouts[key]
 
-    def build(self, out: SchedulerOutput, padded_tokens: int, padded_seqs: int, row_params,
-              histories) -> np.ndarray:
-        """row_params(req_id) -> RowParams; histories(req_id) -> (prompt ids, output ids).
-
-        Returns the bucket's flat int32 buffer, every field written (padding included)."""
-        layout = self.layout(padded_tokens, padded_seqs)
+    def build(self, out: SchedulerOutput, layout: StepLayout, table: RequestTable) -> BuiltStep:
         v = layout.views
-        num_seqs = len(out.scheduled)
-        if out.num_batched_tokens > padded_tokens or num_seqs > padded_seqs:
-            raise ValueError(f"step of {out.num_batched_tokens} tokens / {num_seqs} seqs exceeds "
-                             f"bucket ({padded_tokens}, {padded_seqs})")
-        layout.buffer.fill(0)  # padding: token 0 at position 0 in the null block's slots, rows empty
-        v["penalty_tokens"].fill(-1)
-        v["top_p"].fill(1.0)
-        v["repetition_penalty"].fill(1.0)
+        scheduled = out.scheduled
+        num_seqs = len(scheduled)
+        num_tokens = out.num_batched_tokens
+        if num_tokens > layout.padded_tokens or num_seqs > layout.padded_seqs:
+            raise ValueError(f"step of {num_tokens} tokens / {num_seqs} seqs exceeds bucket "
+                             f"({layout.padded_tokens}, {layout.padded_seqs})")
+        layout.buffer.fill(0)  # padding: token 0 at position 0 in the null block, rows empty
         bs = self.block_size
+        slot_of = table.slot_of
+        q_lens = np.fromiter((sr.num_scheduled_tokens for sr in scheduled), np.int32, num_seqs)
+        starts = np.fromiter((sr.num_computed_tokens for sr in scheduled), np.int32, num_seqs)
+        row_logits = np.fromiter((sr.num_logits for sr in scheduled), np.int32, num_seqs)
+        row_slots = np.fromiter((slot_of[sr.req_id] for sr in scheduled), np.int32, num_seqs)
+        num_logits = int(row_logits.sum())
+        if num_logits > layout.padded_logits:
+            raise ValueError(f"step samples {num_logits} positions, bucket has {layout.padded_logits}")
+        ends = np.cumsum(q_lens, dtype=np.int32)
+        tables = v["block_tables"]
         pos = 0
-        any_random = any_filter = any_penalty = any_logprobs = False
-        for row, sr in enumerate(out.scheduled):
-            n = sr.num_scheduled_tokens
-            start = sr.num_computed_tokens
-            end = pos + n
+        for row, sr in enumerate(scheduled):
+            end = ends[row]
             v["input_ids"][pos:end] = sr.token_ids
-            positions = np.arange(start, start + n, dtype=np.int32)
-            v["positions"][pos:end] = positions
-            table = np.asarray(sr.block_ids, np.int32)
-            v["slot_mapping"][pos:end] = table[positions // bs] * bs + positions % bs
-            v["block_tables"][row, : len(table)] = table
-            v["query_start_loc"][row + 1] = end
-            v["seq_lens"][row] = start + n
-            v["logits_indices"][row] = end - 1
-            p = row_params(sr.req_id)
-            for name in _FLOAT_FIELDS:
-                v[name][row] = getattr(p, name)
-            v["top_k"][row] = p.top_k
-            v["rng_seeds"][row] = p.seed
-            prompt, output = histories(sr.req_id)
-            v["rng_steps"][row] = len(output)
-            any_random |= p.temperature > 0
-            any_filter |= p.temperature > 0 and p.uses_filter
-            any_logprobs |= p.logprobs
-            if p.uses_penalty:
-                any_penalty = True
-                self._fill_history(v["penalty_tokens"][row], prompt, output)
+            tables[row, : len(sr.block_ids)] = sr.block_ids
             pos = end
-        v["query_start_loc"][num_seqs + 1 :] = pos
+        # Positions and slots of every token at once: token i of row r sits at starts[r] + i.
+        row_of_token = np.repeat(np.arange(num_seqs, dtype=np.int32), q_lens)
+        positions = np.arange(num_tokens, dtype=np.int32) - np.repeat(ends - q_lens - starts, q_lens)
+        v["positions"][:num_tokens] = positions
+        v["slot_mapping"][:num_tokens] = tables[row_of_token, positions // bs] * bs + positions % bs
+        v["query_start_loc"][1 : num_seqs + 1] = ends
+        v["query_start_loc"][num_seqs + 1 :] = num_tokens
+        v["seq_lens"][:num_seqs] = starts + q_lens
         v["num_seqs"][...] = num_seqs
-        v["flags"][:] = (any_random, any_filter, any_penalty, any_logprobs)
-        return layout.buffer
-
-    def _fill_history(self, buf: np.ndarray, prompt: list[int], output: list[int]) -> None:
-        h = buf.shape[0]
-        n_out = min(len(output), h)
-        buf[:n_out] = output[:n_out]
-        n_prompt = min(len(prompt), h - n_out)
-        buf[n_out : n_out + n_prompt] = np.asarray(prompt[:n_prompt], np.int32) + self.vocab_size
+        # Logit rows: the last num_logits tokens of each row, in row order.
+        logit_row = np.repeat(np.arange(num_seqs, dtype=np.int32), row_logits)
+        within = np.arange(num_logits, dtype=np.int32) - np.repeat(np.cumsum(row_logits) - row_logits, row_logits)
+        v["logits_indices"][:num_logits] = np.repeat(ends - row_logits, row_logits) + within
+        sampled_slots = row_slots[logit_row]
+        v["logits_slots"][:num_logits] = sampled_slots
+        v["logits_slots"][num_logits:] = table.capacity
+        v["logits_steps"][:num_logits] = table.num_output_np[sampled_slots] + within
+        # Joins: the rows whose values are not on the device yet.
+        v["join_slots"][:] = table.capacity
+        dirty = table.dirty_np[row_slots]
+        join_slots = row_slots[dirty]
+        v["join_slots"][: len(join_slots)] = join_slots
+        for name, _, _ in SAMPLING_FIELDS:
+            v["join_" + name][: len(join_slots)] = table.values_np[name][join_slots]
+        random = table.values_np["temperature"][sampled_slots] > 0
+        v["flags"][:] = (random.any(), table.uses_filter_np[sampled_slots].any(),
+                         table.uses_penalty_np[sampled_slots].any(),
+                         table.wants_logprobs_np[sampled_slots].any())
+        return BuiltStep(layout.buffer, row_slots, row_logits, num_logits)

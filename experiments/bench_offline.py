@@ -54,7 +54,6 @@ def main(argv) -> None:
     from engine import EngineConfig, SamplingParams
     from engine.llm_engine import LLMEngine
     from experiments.datasets import DatasetOptions, build_samples
-    from scheduler import Scheduler
 
     t0 = time.perf_counter()
     engine = LLMEngine(EngineConfig(
@@ -78,17 +77,16 @@ def main(argv) -> None:
     pad = engine.runner.num_padded_tokens - padded_before[0]
     real = engine.runner.num_real_tokens - padded_before[1]
     batched["padded_token_share"] = pad / (pad + real)
-    config = engine.scheduler.config
-    engine.scheduler = Scheduler(dataclasses.replace(config, max_num_seqs=1))
+    engine.reconfigure_scheduler(max_num_seqs=1)
     sequential = run_arm(engine, samples[: _NUM_SEQUENTIAL.value], params_for)
-    engine.scheduler = Scheduler(config)
+    engine.reconfigure_scheduler(max_num_seqs=_MAX_NUM_SEQS.value)
     result = {
         "command": "python -m experiments.bench_offline " + " ".join(
             f"--{f}={flags.FLAGS[f].value}" for f in ("num_prompts", "num_sequential", "max_prompt_len",
                                                       "max_output_len", "max_num_seqs", "max_num_batched_tokens")),
         "model": engine.model_name, "dtype": engine.dtype, "platform": _platform(),
         "startup_seconds": startup, "load_seconds": engine.load_seconds,
-        "compile_seconds": engine.compile_seconds, "buckets": engine.runner.shapes.pairs(),
+        "compile_seconds": engine.compile_seconds, "buckets": [dataclasses.astuple(b) for b in engine.runner.shapes.buckets()],
         "mean_prompt_len": sum(len(s[0]) for s in samples) / len(samples),
         "mean_output_len": sum(s[1] for s in samples) / len(samples),
         "batched": batched, "sequential": sequential,

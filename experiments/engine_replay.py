@@ -145,26 +145,26 @@ def build_engine(**knobs) -> LLMEngine:
     start = time.perf_counter()
     engine = LLMEngine(EngineConfig(**knobs), progress=False)
     warm_up(engine)
-    print(f"engine: {engine.model_name}, buckets {engine.shapes.pairs()}, max_model_len "
-          f"{engine.max_model_len}, {engine.shapes.num_blocks} KV blocks; load {engine.load_seconds:.0f} s, "
+    print(f"engine: {engine.model_name}, buckets {[dataclasses.astuple(b) for b in engine.runner.shapes.buckets()]}, max_model_len "
+          f"{engine.max_model_len}, {engine.runner.shapes.num_blocks} KV blocks; load {engine.load_seconds:.0f} s, "
           f"compile {engine.compile_seconds:.0f} s, ready in {time.perf_counter() - start:.0f} s",
           flush=True)
     return engine
 
 
 def swap_scheduler(engine: LLMEngine, **changes) -> Scheduler:
-    """A fresh scheduler (empty queues, empty prefix cache) with `changes` to the current knobs."""
-    if engine.has_unfinished_requests():
-        raise ValueError("swap_scheduler needs an idle engine")
-    engine.scheduler = Scheduler(dataclasses.replace(engine.scheduler.config, **changes))
-    return engine.scheduler
+    """A fresh scheduler (empty queues, empty prefix cache) with `changes` to the current knobs
+    (EngineConfig's names), through the engine's validated LLMEngine.reconfigure_scheduler."""
+    return engine.reconfigure_scheduler(**changes)
 
 
 def warm_up(engine: LLMEngine) -> None:
     """Runs one step in every token bucket, then leaves a fresh scheduler with the same knobs."""
-    original = engine.scheduler.config
-    buckets = engine.shapes.token_buckets
-    swap_scheduler(engine, max_num_batched_tokens=max(buckets[-1], original.max_num_seqs),
+    knobs = ("max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching", "policy",
+             "kv_allocation")
+    original = {name: getattr(engine.config, name) for name in knobs}
+    buckets = engine.runner.shapes.token_buckets
+    swap_scheduler(engine, max_num_batched_tokens=max(buckets[-1], engine.config.max_num_seqs),
                    enable_chunked_prefill=True, enable_prefix_caching=False,
                    policy="fcfs", kv_allocation="paged")
     vocab = engine.model_config.vocab_size
@@ -174,4 +174,4 @@ def warm_up(engine: LLMEngine) -> None:
                            SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
         while engine.has_unfinished_requests():
             engine.step()
-    engine.scheduler = Scheduler(original)
+    swap_scheduler(engine, **original)

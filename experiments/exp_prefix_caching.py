@@ -132,7 +132,7 @@ def main(argv: Sequence[str]) -> None:
                    "prefix_len": _PREFIX_LEN.value, "question_len": _QUESTION_LEN.value,
                    "output_len": _OUTPUT_LEN.value, "max_num_seqs": _MAX_NUM_SEQS.value,
                    "max_num_batched_tokens": _MAX_NUM_BATCHED_TOKENS.value,
-                   "max_model_len": _MAX_MODEL_LEN.value, "token_buckets": engine.shapes.token_buckets,
+                   "max_model_len": _MAX_MODEL_LEN.value, "token_buckets": engine.runner.shapes.token_buckets,
                    "request_rate": _REQUEST_RATE.value, "seed": _SEED.value},
         "arms": arms, "ttft_cut": cut, "goals": goals, "elapsed_s": time.perf_counter() - t_start,
     }

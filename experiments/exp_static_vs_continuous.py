@@ -159,7 +159,7 @@ def main(argv: Sequence[str]) -> None:
                    "length_scale": _LENGTH_SCALE.value, "max_output_len": _MAX_OUTPUT_LEN.value,
                    "max_model_len": _MAX_MODEL_LEN.value, "max_num_seqs": _MAX_NUM_SEQS.value,
                    "max_num_batched_tokens": _MAX_NUM_BATCHED_TOKENS.value,
-                   "token_buckets": engine.shapes.token_buckets,
+                   "token_buckets": engine.runner.shapes.token_buckets,
                    "request_rate": str(_REQUEST_RATE.value), "seed": _SEED.value},
         "workload": {"prompt_lens": prompt_lens, "output_lens": output_lens},
         "arms": arms, "speedup": speedup, "step_ratio": step_ratio, "goals": goals,

@@ -3,19 +3,24 @@
 Einsum axes: t tokens, s key positions (dense path), e hidden, h query heads, k KV heads,
 g query heads per KV head (h = k * g), d head dim, f MLP width, v vocabulary.
 
-Parameters (a plain dict pytree; `layers` is a list with one dict per layer):
+Parameters (a plain dict pytree):
     embed [v, e]; final_norm [e]; lm_head [e, v] (absent when embeddings are tied)
     layer: attn_norm [e], wq [e, h, d], wk [e, k, d], wv [e, k, d], (bq [h, d], bk [k, d],
            bv [k, d] with attention_bias), wo [h, d, e], mlp_norm [e], w_gate [e, f], w_up [e, f],
            w_down [f, e]
+    `layers` is either a list with one such dict per layer (the loaders' layout; the step unrolls
+    the layer loop) or one dict of the same names stacked on a leading layer axis [n, ...]
+    (`stack_layers`; the step is a `lax.scan` over layers, which compiles once per bucket
+    whatever the depth).
 
 Two attention paths share every other piece of the model:
 1. `forward_dense(params, config, token_ids)`: one sequence, causal attention over its own K/V,
    no cache. It is the oracle the paged path is tested against.
 2. `forward_paged(params, config, kv_cache, batch)`: a ragged batch of prefill chunks and decodes
-   flattened over tokens; each layer writes the new K/V at `slot_mapping` and attends over the
-   paged cache through `pallas_kernels.ragged_paged_attention`. Returns logits only at
-   `batch.logits_indices` (one row per sequence), since that is all a step samples from.
+   flattened over tokens. The attention metadata is prepared once per step; each layer writes
+   its new K/V at `slot_mapping` into its layer of the stacked cache and attends over the paged
+   cache through `pallas_kernels.ragged_paged_attention`, in place. Returns logits only at
+   `batch.logits_indices` (the sampled positions), since that is all a step samples from.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig
-from pallas_kernels import ragged_paged_attention, write_kv
+from pallas_kernels import prepare_attention_metadata, ragged_paged_attention, write_kv
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
@@ -107,52 +112,94 @@ def dense_causal_attention(q, k, v, sm_scale: float, sliding_window: int | None 
     return out.reshape(t, num_heads, d).astype(q.dtype)
 
 
+def stack_layers(params: dict) -> dict:
+    """The per-layer list of parameter dicts as one dict of arrays stacked on a layer axis."""
+    layers = params["layers"]
+    if isinstance(layers, dict):
+        return params
+    stacked = {name: jnp.stack([layer[name] for layer in layers]) for name in layers[0]}
+    return {**params, "layers": stacked}
+
+
+def num_layers_of(params: dict) -> int:
+    layers = params["layers"]
+    return len(layers) if isinstance(layers, list) else layers["wq"].shape[0]
+
+
 def forward_dense(params: dict, config: ModelConfig, token_ids: jax.Array) -> jax.Array:
-    """Logits [t, v] (float32) for one sequence of token ids [t], no cache."""
+    """Logits [t, v] (float32) for one sequence of token ids [t], no cache.
+
+    Causal, so trailing padding never changes the logits of the positions before it: callers jit
+    it at a few padded lengths (tests do). Stacked layers run as a lax.scan (fast to compile)."""
     inv_freq = jnp.asarray(rope_inv_freq(config), jnp.float32)
     positions = jnp.arange(token_ids.shape[0], dtype=jnp.int32)
     sm_scale = 1.0 / math.sqrt(config.head_dim)
-    x = params["embed"][token_ids]
-    for layer in params["layers"]:
+
+    def layer_step(x, layer):
         h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
         q, k, v = _qkv(layer, h, positions, inv_freq)
         attn = dense_causal_attention(q, k, v, sm_scale, config.sliding_window)
         x = x + jnp.einsum("thd,hde->te", attn, layer["wo"])
-        x = x + _mlp(layer, rms_norm(x, layer["mlp_norm"], config.rms_norm_eps))
+        return x + _mlp(layer, rms_norm(x, layer["mlp_norm"], config.rms_norm_eps))
+
+    x = params["embed"][token_ids]
+    if isinstance(params["layers"], list):
+        for layer in params["layers"]:
+            x = layer_step(x, layer)
+    else:
+        x, _ = jax.lax.scan(lambda x, layer: (layer_step(x, layer), None), x, params["layers"])
     return _logits(params, rms_norm(x, params["final_norm"], config.rms_norm_eps))
 
 
 def forward_paged(
     params: dict,
     config: ModelConfig,
-    kv_cache: list,
+    kv_cache: tuple,
     batch,
     *,
     attention_backend: str = "xla",
     interpret: bool = False,
 ):
-    """One step over a ragged batch; returns (kv_cache, logits [S, v] float32).
+    """One step over a ragged batch; returns ((k_cache, v_cache), logits [L, v] float32).
 
-    `kv_cache` is a list with one (k_pages, v_pages) pair per layer, each
-    [num_blocks, block_size, k, d]. `batch` has the StepInputs fields: input_ids [T], positions [T],
+    `kv_cache` is (k_cache, v_cache), each [num_layers, num_blocks, block_size, k, d]
+    (engine/kv_cache.py). `batch` has the StepInputs fields: input_ids [T], positions [T],
     slot_mapping [T], query_start_loc [S+1], seq_lens [S], block_tables [S, max_blocks_per_seq],
-    logits_indices [S], num_seqs [] (see engine/step_inputs.py).
+    num_seqs [], logits_indices [L] (see engine/step_inputs.py). A stacked `params["layers"]`
+    runs the layers as a lax.scan with the cache in the carry; a list unrolls them.
     """
     inv_freq = jnp.asarray(rope_inv_freq(config), jnp.float32)
     sm_scale = 1.0 / math.sqrt(config.head_dim)
-    x = params["embed"][batch.input_ids]
-    new_cache = []
-    for layer, (k_pages, v_pages) in zip(params["layers"], kv_cache, strict=True):
+    num_tokens = batch.input_ids.shape[0]
+    md = prepare_attention_metadata(
+        batch.seq_lens, batch.block_tables, batch.query_start_loc, batch.num_seqs,
+        num_tokens=num_tokens, num_q_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
+        block_size=kv_cache[0].shape[2], backend=attention_backend,
+        sliding_window=config.sliding_window, head_dim=config.head_dim)
+
+    def layer_step(x, k_cache, v_cache, layer, index):
         h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
         q, k, v = _qkv(layer, h, batch.positions, inv_freq)
-        k_pages, v_pages = write_kv(k_pages, v_pages, k, v, batch.slot_mapping)
-        new_cache.append((k_pages, v_pages))
+        k_cache, v_cache = write_kv(k_cache, v_cache, k, v, batch.slot_mapping, layer=index)
         attn = ragged_paged_attention(
-            q, k_pages, v_pages, batch.seq_lens, batch.block_tables, batch.query_start_loc,
-            batch.num_seqs, sm_scale=sm_scale, sliding_window=config.sliding_window,
-            backend=attention_backend, interpret=interpret,
-        )
+            q, k_cache, v_cache, md, layer=index, sm_scale=sm_scale,
+            sliding_window=config.sliding_window, backend=attention_backend, interpret=interpret)
         x = x + jnp.einsum("thd,hde->te", attn, layer["wo"])
         x = x + _mlp(layer, rms_norm(x, layer["mlp_norm"], config.rms_norm_eps))
+        return x, k_cache, v_cache
+
+    x = params["embed"][batch.input_ids]
+    k_cache, v_cache = kv_cache
+    layers = params["layers"]
+    if isinstance(layers, list):
+        for index, layer in enumerate(layers):
+            x, k_cache, v_cache = layer_step(x, k_cache, v_cache, layer, index)
+    else:
+        def body(carry, xs):
+            layer, index = xs
+            return layer_step(*carry, layer, index), None
+
+        indices = jnp.arange(num_layers_of(params), dtype=jnp.int32)
+        (x, k_cache, v_cache), _ = jax.lax.scan(body, (x, k_cache, v_cache), (layers, indices))
     h = rms_norm(x[batch.logits_indices], params["final_norm"], config.rms_norm_eps)
-    return new_cache, _logits(params, h)
+    return (k_cache, v_cache), _logits(params, h)

@@ -43,6 +43,12 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping, layer=None):
     slots = slot_mapping.astype(jnp.int32)
     rows = validation.layer_index(layer) * layer_slots + slots
     rows = jnp.where((slots >= 0) & (slots < layer_slots), rows, total_slots)
+    if rows.shape[0] == 1:
+        # One token: XLA rewrites a one-index scatter as a dynamic-update-slice, which it then
+        # does not run in place next to the attention's gathers (the whole stacked cache is
+        # copied per layer: seconds per step on the CPU). A second, dropped row keeps it a scatter.
+        rows = jnp.concatenate([rows, jnp.full((1,), total_slots, jnp.int32)])
+        k, v = (jnp.concatenate([x, jnp.zeros_like(x)]) for x in (k, v))
     flat_shape = (total_slots, cache.num_kv_heads, cache.head_dim)
     k_flat = k_cache.reshape(flat_shape).at[rows].set(k.astype(k_cache.dtype), mode="drop")
     v_flat = v_cache.reshape(flat_shape).at[rows].set(v.astype(v_cache.dtype), mode="drop")

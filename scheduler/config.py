@@ -36,6 +36,10 @@ class SchedulerConfig:
     policy: str = "fcfs"
     # "paged" (blocks on demand) or the "contiguous" baseline (reserve max_model_len per request).
     kv_allocation: str = "paged"
+    # Fairness: while requests of other groups wait, no group (one client request's prompts and
+    # samples) holds more than this many running seats; None = no cap. Work-conserving: with
+    # nobody else waiting a group may fill the batch.
+    max_seqs_per_group: int | None = None
 
     def __post_init__(self) -> None:
         _check_positive_int("max_num_seqs", self.max_num_seqs)
@@ -43,6 +47,8 @@ class SchedulerConfig:
         _check_positive_int("max_model_len", self.max_model_len, minimum=2)
         _check_positive_int("block_size", self.block_size)
         _check_positive_int("num_blocks", self.num_blocks, minimum=2)
+        if self.max_seqs_per_group is not None:
+            _check_positive_int("max_seqs_per_group", self.max_seqs_per_group)
         for name in ("enable_prefix_caching", "enable_chunked_prefill"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(

@@ -48,6 +48,7 @@ class Request:
         "num_preemptions",
         "block_hashes",
         "sampling",
+        "group_id",
         "_admitted",
     )
 
@@ -62,6 +63,7 @@ class Request:
         priority: int = 0,
         arrival_time: float | None = None,
         sampling: object = None,
+        group_id: str | None = None,
     ) -> None:
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ValueError(f"Request.max_tokens must be a positive integer, got {max_tokens!r}")
@@ -87,6 +89,9 @@ class Request:
         # The engine's per-request sampling state, handed to the runner in NewRequestData; the
         # scheduler never reads it.
         self.sampling = sampling
+        # Requests of one client request (its prompts, its n samples) share a group: the fairness
+        # cap (SchedulerConfig.max_seqs_per_group) counts running requests per group.
+        self.group_id = req_id if group_id is None else group_id
         self._admitted = False
 
     @property

@@ -15,6 +15,8 @@ One step, in order (DESIGN.md sections 2-3):
     prefix-cache hit (full blocks inside its first num_tokens - 1 tokens). A prompt larger than the
     budget takes what is left with chunked prefill, and otherwise waits (and so does everyone
     behind it). Under "priority", a waiting request may preempt a running one of lower priority.
+    Fairness: a request whose group already holds max_seqs_per_group running seats is passed
+    over while a request of another group waits (the first such one in queue order is admitted).
  5. The `SchedulerOutput` lists each scheduled request's tokens, position and whole block table,
     plus the ids finished, aborted and preempted since the last step.
  6. The engine runs the step and calls `update(output, step_result)`: computed counts advance,
@@ -63,6 +65,7 @@ class Scheduler:
         # Admitted requests in admission order (a dict: O(1) removal, newest is the last key).
         self.running: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}  # live: waiting or running
+        self._running_per_group: dict[str, int] = {}
         self.num_preemptions = 0
         self._num_steps = 0
         self._finished_req_ids: list[str] = []
@@ -107,6 +110,7 @@ class Scheduler:
             return False
         if request.status is RUNNING:
             del self.running[req_id]
+            self._leave_group(request)
             self.kv_cache_manager.free(request)
         else:
             self.waiting.remove(request)
@@ -200,7 +204,7 @@ class Scheduler:
         config, kv = self.config, self.kv_cache_manager
         block_size = config.block_size
         while self.waiting and plan.budget > 0:
-            request = self.waiting.peek()
+            request = self._next_admissible()
             if request.req_id in plan.preempted:
                 return  # preempted in this step: it must not be scheduled in it
             computed = kv.get_computed_blocks(request)  # takes no references yet
@@ -216,10 +220,25 @@ class Scheduler:
                 if self._preempt_for(request, plan):
                     continue  # blocks were freed; look the prefix up again
                 return
-            self.waiting.pop()
+            if request is self.waiting.peek():
+                self.waiting.pop()
+            else:
+                self.waiting.remove(request)  # passed over a capped group's request
             self._start_running(request, num_computed)
             plan.admitted.append(request)
             self._add_to_plan(request, num_new, plan)
+
+    def _next_admissible(self) -> Request:
+        """The head of the queue, unless its group is at its cap and another group's request
+        can run instead (then the first such request in queue order). O(waiting) only then."""
+        head = self.waiting.peek()
+        cap = self.config.max_seqs_per_group
+        if cap is None or self._running_per_group.get(head.group_id, 0) < cap:
+            return head
+        for request in self.waiting:
+            if self._running_per_group.get(request.group_id, 0) < cap:
+                return request
+        return head  # every waiting group is at its cap: work-conserving
 
     def _admit_static_batch(self, plan: _StepPlan) -> None:
         """Static baseline: admit up to max_num_seqs waiting requests whose prompts fit now."""
@@ -237,6 +256,7 @@ class Scheduler:
     def _start_running(self, request: Request, num_computed: int) -> None:
         request.num_computed_tokens = num_computed
         request.status = RUNNING
+        self._running_per_group[request.group_id] = self._running_per_group.get(request.group_id, 0) + 1
         if not request._admitted:
             request._admitted = True
             request.num_cached_tokens = num_computed
@@ -257,6 +277,13 @@ class Scheduler:
         )
         plan.budget -= num_new
 
+    def _leave_group(self, request: Request) -> None:
+        left = self._running_per_group[request.group_id] - 1
+        if left:
+            self._running_per_group[request.group_id] = left
+        else:
+            del self._running_per_group[request.group_id]
+
     # -- preemption --------------------------------------------------------------------------
 
     def _pick_victim(self) -> Request:
@@ -276,6 +303,7 @@ class Scheduler:
 
     def _preempt(self, victim: Request, plan: _StepPlan) -> None:
         del self.running[victim.req_id]
+        self._leave_group(victim)
         self.kv_cache_manager.free(victim)
         # Hash every full block now, so the resumed request finds its cached prefix.
         self.kv_cache_manager.update_block_hashes(victim)

@@ -1,17 +1,15 @@
 """One compiled engine on the default model, shared by the engine tests of the whole session.
 
 Scheduler knobs do not change compiled shapes, so tests that need another token budget, prefix
-caching on or off, or a smaller KV pool swap in a new Scheduler over the same runner (`scheduler_as`)
-instead of compiling a new engine.
+caching on or off, or a smaller KV pool get a new scheduler over the same runner
+(`scheduler_as`, through LLMEngine.reconfigure_scheduler) instead of compiling a new engine.
 """
 
 import contextlib
-import dataclasses
 
 import pytest
 
 from engine.config import EngineConfig
-from scheduler import Scheduler
 
 ENGINE_KNOBS = dict(
     model="default", max_num_seqs=8, max_num_batched_tokens=128, max_model_len=256,
@@ -29,14 +27,15 @@ def engine():
 
 @contextlib.contextmanager
 def scheduler_as(engine, **changes):
-    """Runs the block with a fresh scheduler of changed knobs; restores a fresh default after."""
+    """Runs the block with a fresh scheduler of changed knobs; restores a fresh default after.
+
+    `changes` use EngineConfig's names (num_kv_blocks, not the scheduler's num_blocks)."""
     assert not engine.has_unfinished_requests()
-    original = engine.scheduler.config
-    engine.scheduler = Scheduler(dataclasses.replace(original, **changes))
+    original = {name: getattr(engine.config, name) for name in changes}
     try:
-        yield engine.scheduler
+        yield engine.reconfigure_scheduler(**changes)
     finally:
-        engine.scheduler = Scheduler(original)
+        engine.reconfigure_scheduler(**original)
 
 
 def run_to_completion(engine, requests):
@@ -49,3 +48,19 @@ def run_to_completion(engine, requests):
             if out.finished:
                 done[out.request_id] = out
     return done
+
+
+TINY_KNOBS = dict(
+    model="random:tiny", max_num_seqs=16, max_num_batched_tokens=64, max_model_len=256,
+    block_size=16, num_kv_blocks=16 * 16 + 1, token_buckets=(1, 4, 16, 64), seq_buckets=(4, 16),
+    compilation_cache_dir=None,
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine():
+    """A compiled engine on random:tiny (2 layers, vocab 256, byte tokenizer): for mechanism
+    tests (recompiles, seeds, n > 1, aborts, bad input) where real numerics are not the point."""
+    from engine.llm_engine import LLMEngine
+
+    return LLMEngine(EngineConfig(**TINY_KNOBS), progress=False)

@@ -8,27 +8,30 @@ import textwrap
 
 import pytest
 
-from engine.config import default_buckets
+from engine.buckets import Bucket, default_buckets
 
 
 def test_buckets_are_declared_and_a_shape_outside_is_an_error(engine):
     shapes = engine.runner.shapes
-    assert shapes.pairs() == [(16, 8), (32, 8), (128, 8)]
-    assert set(engine.runner._compiled) == set(shapes.pairs())  # all compiled at start-up
-    assert shapes.bucket_for(3, 2) == (16, 8) and shapes.bucket_for(17, 8) == (32, 8)
+    assert shapes.buckets() == [Bucket(16, 8, 8), Bucket(32, 8, 8), Bucket(128, 8, 8)]
+    assert set(engine.runner._compiled) == set(shapes.buckets())  # all compiled at start-up
+    assert shapes.bucket_for(3, 2) == Bucket(16, 8, 8) and shapes.bucket_for(17, 8) == Bucket(32, 8, 8)
     with pytest.raises(ValueError, match="token bucket"):
         shapes.bucket_for(129, 1)
+    with pytest.raises(ValueError, match="sampled positions"):
+        shapes.bucket_for(16, 2, num_logits=9)
     with pytest.raises(ValueError, match="not a declared bucket"):
-        engine.runner._executable(64, 8)
+        engine.runner._executable(Bucket(64, 8, 8))
     assert default_buckets(256) == (1, 2, 4, 8, 16, 32, 64, 128, 256)
     assert default_buckets(2048)[-3:] == (1536, 1792, 2048)
 
 
 def test_kv_cache_is_donated_and_aliased_in_place(engine):
-    hlo = engine.runner._compiled[(16, 8)].as_text()
-    # Every layer's K and V pages alias an output: the scatter writes the donated buffer.
+    hlo = engine.runner._compiled[Bucket(16, 8, 8)].as_text()
+    # The stacked K and V caches and the request table's arrays alias outputs: the step writes
+    # the donated buffers in place (2 caches + 10 table arrays).
     num_aliases = hlo.count("may-alias") + hlo.count("must-alias")
-    assert num_aliases >= 2 * engine.model_config.num_layers, hlo[:2000]
+    assert num_aliases >= 2 + 10, hlo[:2000]
 
 
 def test_second_start_reuses_the_persistent_compilation_cache(tmp_path):

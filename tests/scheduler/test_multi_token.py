@@ -106,7 +106,7 @@ def test_new_requests_list_admissions_and_resumptions():
     assert out.new_requests[0].prompt_token_ids == list(range(1, 13))
     s.update(out, StepResult(["a", "b"], [[7], [8]]))
     preempted = None
-    for step in range(40):
+    for _ in range(40):
         out = s.schedule()
         scheduled_ids = {r.req_id for r in out.scheduled}
         assert all(n.req_id in scheduled_ids for n in out.new_requests)

@@ -120,3 +120,23 @@ def test_paged_allocates_on_demand(fake_step):
         out, _ = fake_step(s)
     # After 16 computed tokens the 17th needs a second block; the table only grows at its end.
     assert out.scheduled[0].num_computed_tokens == 16 and len(out.scheduled[0].block_ids) == 2
+
+
+def test_a_group_over_its_share_lets_another_group_in(fake_step, check_invariants):
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=256,
+                                  block_size=16, num_blocks=256, max_seqs_per_group=2))
+    for i in range(6):  # one client request with six prompts, all waiting
+        s.add_request(Request(f"big{i}", list(range(10 * i, 10 * i + 8)), 50, group_id="big"))
+    out, _ = fake_step(s)
+    # Nobody else waits: the big group fills the batch (work-conserving).
+    assert [r.req_id for r in out.scheduled] == ["big0", "big1", "big2", "big3"]
+    s.add_request(Request("small", [1, 2, 3], 2))
+    for _ in range(3):
+        fake_step(s)
+    # The small request waits for a seat; once one frees it is admitted before big4 and big5
+    # because its group holds none while "big" holds more than its cap of 2.
+    s.abort_request("big0")
+    out, _ = fake_step(s)
+    assert "small" in [r.req_id for r in out.scheduled]
+    assert "big4" not in s.running
+    check_invariants(s)

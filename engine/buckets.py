@@ -1,0 +1,90 @@
+"""Buckets: the finite set of padded step shapes compiled at start-up (DESIGN.md section 5).
+
+A step is padded to (T tokens, S sequences, L logit rows). Token buckets come from the config or
+`default_buckets(max_num_batched_tokens)`; each token bucket compiles with ONE sequence count (the
+smallest sequence bucket holding min(T, max rows)) and one logit-row count (S * logits_per_seq,
+at most T), so there are as many executables as token buckets. A shape outside them is an error,
+never a recompile.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+
+
+def default_buckets(limit: int, *, smallest: int = 1) -> tuple[int, ...]:
+    """Powers of two from `smallest`, then linear steps of the largest power below 512 (padding
+    stays under half, and a small fraction past 512), ending exactly at `limit`.
+
+    Starting at 1 matters on the CPU, where a step's cost grows with its padded token count; on an
+    accelerator decode is memory-bound and a caller may start higher to compile fewer buckets."""
+    buckets: list[int] = []
+    b = smallest
+    while b < limit and b < 512:
+        buckets.append(b)
+        b *= 2
+    step = buckets[-1] if buckets else limit
+    b = (buckets[-1] + step) if buckets else limit
+    while b < limit:
+        buckets.append(b)
+        b += step
+    buckets.append(limit)
+    return tuple(sorted(set(buckets)))
+
+
+def resolve_token_buckets(config) -> tuple[int, ...]:
+    if config.token_buckets is not None:
+        return config.token_buckets
+    return default_buckets(config.max_num_batched_tokens)
+
+
+def resolve_seq_buckets(config) -> tuple[int, ...]:
+    if config.seq_buckets is not None:
+        return config.seq_buckets
+    return default_buckets(config.max_num_seqs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    padded_tokens: int  # T
+    padded_seqs: int  # S
+    padded_logits: int  # L
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerShapes:
+    token_buckets: tuple[int, ...]
+    seq_buckets: tuple[int, ...]
+    max_blocks_per_seq: int
+    num_blocks: int
+    block_size: int
+    num_logprobs: int  # top logprobs computed per row when asked
+    sample_vocab_size: int  # ids the tokenizer knows: logits past it are never sampled
+    logits_per_seq: int = 1  # logit rows per sequence a bucket holds (1 + k with k drafts)
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Rows of the largest bucket: the request table's capacity."""
+        return self.seq_buckets[-1]
+
+    def bucket_for(self, num_tokens: int, num_seqs: int, num_logits: int | None = None) -> Bucket:
+        """The smallest declared bucket that fits the step."""
+        num_logits = num_seqs if num_logits is None else num_logits
+        i = bisect.bisect_left(self.token_buckets, num_tokens)
+        if i == len(self.token_buckets):
+            raise ValueError(f"{num_tokens} tokens exceed the largest token bucket {self.token_buckets[-1]}")
+        for t in self.token_buckets[i:]:
+            bucket = self.bucket_of(t)
+            if bucket.padded_seqs >= num_seqs and bucket.padded_logits >= num_logits:
+                return bucket
+        raise ValueError(f"a step of {num_seqs} sequences and {num_logits} sampled positions "
+                         f"exceeds the largest bucket {self.bucket_of(self.token_buckets[-1])}")
+
+    def bucket_of(self, t: int) -> Bucket:
+        want = min(t, self.seq_buckets[-1])
+        s = self.seq_buckets[bisect.bisect_left(self.seq_buckets, want)]
+        return Bucket(t, s, min(t, s * self.logits_per_seq))
+
+    def buckets(self) -> list[Bucket]:
+        return [self.bucket_of(t) for t in self.token_buckets]

@@ -1,0 +1,107 @@
+"""Building an engine's parts from an EngineConfig: the model, the scheduler, the runner.
+
+`LLMEngine(config)` calls `build_parts(config)`; tests and research code that want another runner
+(a fake one, a sharded one) build the parts themselves and call `LLMEngine.from_parts`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+
+from engine.buckets import RunnerShapes, resolve_seq_buckets, resolve_token_buckets
+from engine.config import EngineConfig, resolve_dtype, resolve_scan_layers
+from engine.kv_cache import num_blocks_for
+from engine.model_runner import ModelRunner
+from models.loader import load_model
+from pallas_kernels import resolve_backend
+from scheduler import Scheduler, SchedulerConfig
+
+
+@dataclasses.dataclass
+class EngineParts:
+    config: EngineConfig
+    scheduler: Scheduler
+    runner: object  # ModelRunner, or anything with its execute()/sample_vocab_size
+    tokenizer: object
+    max_model_len: int
+    model_name: str
+    model_config: object = None
+    dtype: str = "float32"
+    attention_backend: str = "xla"
+    load_seconds: float = 0.0
+    compile_seconds: float = 0.0
+
+
+def scheduler_config_for(config: EngineConfig, *, max_model_len: int, num_blocks: int) -> SchedulerConfig:
+    return SchedulerConfig(
+        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=max_model_len, block_size=config.block_size, num_blocks=num_blocks,
+        enable_prefix_caching=config.enable_prefix_caching,
+        enable_chunked_prefill=config.enable_chunked_prefill, policy=config.policy,
+        kv_allocation=config.kv_allocation,
+        max_seqs_per_group=(None if config.max_request_share >= 1
+                            else max(1, int(config.max_request_share * config.max_num_seqs))))
+
+
+def build_parts(config: EngineConfig, *, progress: bool = True) -> EngineParts:
+    enable_compilation_cache(config.compilation_cache_dir)
+    platform = jax.devices()[0].platform
+    dtype = resolve_dtype(config, platform)
+    backend = resolve_backend(config.attention_backend, platform)
+    if backend != "xla" and platform == "cpu" and not config.interpret:
+        raise ValueError(
+            f"EngineConfig.attention_backend={config.attention_backend!r}: Pallas kernels do not "
+            "compile for the CPU; pass interpret=True to run them in Pallas interpret mode "
+            "(slow, for tests), or use attention_backend='xla' (the CPU path)")
+    start = time.perf_counter()
+    loaded = load_model(config.model, dtype=dtype, seed=config.seed, tokenizer=config.tokenizer,
+                        progress=progress, cache_dir=config.weights_cache_dir)
+    load_seconds = time.perf_counter() - start
+    limit = loaded.config.max_position_embeddings
+    max_model_len = config.max_model_len or min(limit, 4096)
+    if max_model_len > limit:
+        raise ValueError(f"EngineConfig.max_model_len ({max_model_len}) exceeds the model's "
+                         f"context length ({limit})")
+    bs = config.block_size
+    max_blocks_per_seq = -(-max_model_len // bs)
+    num_blocks = num_blocks_for(
+        loaded.config, block_size=bs, dtype=dtype, num_kv_blocks=config.num_kv_blocks,
+        kv_cache_bytes=config.kv_cache_bytes, memory_fraction=config.kv_cache_memory_fraction,
+        max_useful_blocks=config.max_num_seqs * max_blocks_per_seq + 1)
+    if (num_blocks - 1) * bs < max_model_len:
+        raise ValueError(
+            f"the KV cache ({num_blocks - 1} blocks of {bs} tokens) cannot hold one request of "
+            f"max_model_len={max_model_len} tokens: raise num_kv_blocks / kv_cache_bytes "
+            "or lower max_model_len")
+    scheduler = Scheduler(scheduler_config_for(config, max_model_len=max_model_len,
+                                               num_blocks=num_blocks))
+    shapes = RunnerShapes(
+        token_buckets=resolve_token_buckets(config), seq_buckets=resolve_seq_buckets(config),
+        max_blocks_per_seq=max_blocks_per_seq, num_blocks=num_blocks, block_size=bs,
+        num_logprobs=config.max_logprobs,
+        sample_vocab_size=min(loaded.config.vocab_size, loaded.tokenizer.vocab_size))
+    start = time.perf_counter()
+    runner = ModelRunner(loaded.config, loaded.params, shapes, dtype=dtype, attention_backend=backend,
+                         interpret=config.interpret, scan_layers=resolve_scan_layers(config, platform),
+                         precompile=config.precompile, progress=progress)
+    return EngineParts(
+        config=config, scheduler=scheduler, runner=runner, tokenizer=loaded.tokenizer,
+        max_model_len=max_model_len, model_name=_model_name(config.model, loaded.config.name),
+        model_config=loaded.config, dtype=dtype, attention_backend=backend,
+        load_seconds=load_seconds, compile_seconds=time.perf_counter() - start)
+
+
+def _model_name(spec: str, config_name: str) -> str:
+    if spec == "default":
+        return "SmolLM2-135M-Instruct"
+    return config_name
+
+
+def enable_compilation_cache(folder: str | None) -> None:
+    if not folder or jax.config.jax_compilation_cache_dir:
+        return  # off, or already chosen by the caller (tests, notebooks)
+    jax.config.update("jax_compilation_cache_dir", folder)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
