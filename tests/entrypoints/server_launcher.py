@@ -3,7 +3,8 @@
 As a script, `python tests/entrypoints/server_launcher.py [serve flags] --fake_step_sleep=S` runs
 entrypoints.openai.serve's main (the real flags, app and server) around the fake engine of
 fake_engine.py; the test double stays out of library code because only this file hands serve.main
-an engine factory.
+an engine factory. `--fake_tokenizer=default` swaps the fake tokenizer for the default model's
+real one (the fake model still computes its next token from the ids).
 
 Imported (tests put this folder on sys.path), `ServerProcess` starts either that fake server or
 the real `python -m entrypoints.openai.serve` on a free loopback port and stops it with SIGTERM.
@@ -112,9 +113,16 @@ def _main() -> None:
     from entrypoints.openai import serve
 
     flags.DEFINE_float("fake_step_sleep", 0.01, "Seconds each fake engine step sleeps.")
+    flags.DEFINE_string("fake_tokenizer", None, "'default': the default model's tokenizer instead of the fake one.")
 
     def factory(config):
-        return FakeLLMEngine(config, step_sleep=flags.FLAGS.fake_step_sleep)
+        engine = FakeLLMEngine(config, step_sleep=flags.FLAGS.fake_step_sleep)
+        if flags.FLAGS.fake_tokenizer == "default":
+            from models.default_model import default_model_path
+            from text.tokenizer import load_tokenizer
+
+            engine.tokenizer = load_tokenizer(default_model_path())
+        return engine
 
     app.run(functools.partial(serve.main, engine_factory=factory))
 
