@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PROMPT ?= Explain in two sentences why a GPU serving one user is mostly idle.
 
-.PHONY: setup test lint demo serve bench clean
+.PHONY: setup test lint demo serve bench clean notebook-test
 HOST ?= 127.0.0.1
 PORT ?= 8000
 SERVE_FLAGS ?=
@@ -41,6 +41,11 @@ bench: setup
 	  --dataset=sharegpt --max_prompt_len=256 --max_output_len=64 \
 	  --concurrencies=1,2,4,8,16,32,64 --num_prompts=8 --prompts_per_concurrency=2 \
 	  --temperature=0 --ignore_eos --goodput="ttft:2000 itl_p95:250" --slo_itl_p95_ms=250
+
+# Runs notebooks/quickstart.ipynb headless (nbclient) on the CPU; fails on any cell error.
+# The executed copy lands in .cache/notebooks/ (ignored). A few minutes on a 2-core CPU.
+notebook-test: setup
+	JAX_PLATFORMS=cpu $(PY) -m pytest tests/notebooks -m notebook -s
 
 clean:
 	rm -rf $(VENV) .cache

@@ -284,8 +284,9 @@ def format_report(r: CapacityReport) -> str:
     d = r.device
     lines = [
         f"model {r.model}: {r.num_params / 1e9:.3f} B parameters, {r.dtype}",
-        f"device {d.name}{chips}: {d.hbm_bytes / GB:.0f} GB, {d.bandwidth / GB:,.0f} GB/s, "
-        f"{d.peak_flops / 1e12:,.1f} TFLOP/s per chip",
+        f"device {d.name}{chips}: {d.hbm_bytes / GB:.0f} GB, {d.bandwidth / GB:,.1f} GB/s, "
+        + (f"{d.peak_flops / 1e12:,.0f} TFLOP/s" if d.peak_flops >= 1e12 else f"{d.peak_flops / 1e9:,.1f} GFLOP/s")
+        + " per chip",
         f"weight bytes:           {r.weight_bytes:,} ({r.weight_bytes / GB:.2f} GB)",
         f"KV bytes per token:     {r.kv_bytes_per_token:,}",
     ]
