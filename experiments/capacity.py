@@ -36,12 +36,12 @@ import json
 import math
 import os
 import sys
-import time
 from collections.abc import Sequence
 
 from absl import app, flags
 
 from engine.config import EngineConfig
+from experiments.device_probe import Probe, measure_device
 from models.config import ModelConfig, preset_config
 
 GB = 1e9
@@ -410,61 +410,21 @@ def compare_with_measured(measured: dict, model: str | ModelConfig, device: Devi
     return out
 
 
-# ---------------------------------------------------------------- measuring a device
+# ---------------------------------------------------------------- this machine
 
 
-@dataclasses.dataclass(frozen=True)
-class Probe:
-    bandwidth: float  # bytes / s: the best of three streaming kernels over the same weights
-    peak_flops: float  # FLOP / s of a square matmul
-    numpy_copy_bandwidth: float  # bytes / s (read + write) of a numpy copy, for reference
-    platform: str
-    dtype: str
-
-
-def _best_seconds(fn, repeats: int) -> float:
-    fn()  # compile, warm the caches
-    best = math.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def measure_device(dtype: str = "float32", weight_mib: int = 256, matmul_n: int = 2048,
-                   repeats: int = 8) -> Probe:
-    """Bandwidth and FLOP/s of JAX's default device, best of `repeats` (peak capability, as a
-    spec sheet quotes it: other work on the machine only lowers the figures). Bandwidth is the
-    best that a matrix-vector product in either layout (what a batch-1 decode runs) or a sum
-    attains over `weight_mib` MiB of weights; FLOP/s is a `matmul_n`^3 matmul."""
+def device_from_probe(probe: Probe, name: str = "this machine") -> DeviceSpec:
+    """A DeviceSpec of JAX's default device with the probe's figures; its memory is what the
+    runtime reports (already net of JAX's preallocation fraction), or the RAM on the CPU."""
     import jax
-    import jax.numpy as jnp
-    import numpy as np
 
-    itemsize = DTYPE_BYTES[dtype]
-    rows = 4096
-    cols = weight_mib * 1024 * 1024 // (itemsize * rows)
-    key = jax.random.key(0)
-    w = jax.random.normal(key, (rows, cols), dtype)
-    x, y = jnp.ones((1, rows), dtype), jnp.ones((rows, 1), dtype)
-    wt = w.T.copy()
-    kernels = (
-        (jax.jit(lambda x, w: x @ w), (x, w)),
-        (jax.jit(lambda wt, y: wt @ y), (wt, y)),
-        (jax.jit(lambda w: jnp.sum(w, dtype=jnp.float32)), (w,)),
-    )
-    stream_s = min(_best_seconds(lambda f=f, a=a: f(*a).block_until_ready(), repeats)
-                   for f, a in kernels)
-    a = jax.random.normal(key, (matmul_n, matmul_n), dtype)
-    matmul = jax.jit(lambda a: a @ a)
-    matmul_s = _best_seconds(lambda: matmul(a).block_until_ready(), repeats)
-    host = np.ones(weight_mib * 1024 * 1024 // 4, np.float32)
-    out = np.empty_like(host)
-    copy_s = _best_seconds(lambda: np.copyto(out, host), repeats)
-    return Probe(bandwidth=rows * cols * itemsize / stream_s, peak_flops=2 * matmul_n**3 / matmul_s,
-                 numpy_copy_bandwidth=2 * host.nbytes / copy_s,
-                 platform=jax.devices()[0].platform, dtype=dtype)
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return DeviceSpec(name, "cpu", float(ram), probe.bandwidth, probe.peak_flops, 1.0)
+    limit = (device.memory_stats() or {}).get("bytes_limit", 0)
+    kind = "tpu" if device.platform == "tpu" else "gpu"
+    return DeviceSpec(name, kind, float(limit), probe.bandwidth, probe.peak_flops, 1.0)
 
 
 def define_flags() -> None:
@@ -489,20 +449,6 @@ def define_flags() -> None:
     flags.DEFINE_string("json", "", "Write the report (or the comparison) here (JSON).")
     flags.DEFINE_string("compare_sweep", "", "A concurrency sweep's JSON (make bench writes one): "
                         "compare the prediction with it on its own workload.")
-
-
-def device_from_probe(probe: Probe, name: str = "this machine") -> DeviceSpec:
-    """A DeviceSpec of JAX's default device with the probe's figures; its memory is what the
-    runtime reports (already net of JAX's preallocation fraction), or the RAM on the CPU."""
-    import jax
-
-    device = jax.devices()[0]
-    if device.platform == "cpu":
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return DeviceSpec(name, "cpu", float(ram), probe.bandwidth, probe.peak_flops, 1.0)
-    limit = (device.memory_stats() or {}).get("bytes_limit", 0)
-    kind = "tpu" if device.platform == "tpu" else "gpu"
-    return DeviceSpec(name, kind, float(limit), probe.bandwidth, probe.peak_flops, 1.0)
 
 
 def main(argv: Sequence[str]) -> None:
