@@ -41,6 +41,7 @@ from scheduler.outputs import (
 )
 from scheduler.queues import FCFSQueue, PriorityQueue
 from scheduler.request import FinishReason, Request, RequestStatus
+from scheduler.results import append_tokens, check_step_result
 
 RUNNING = RequestStatus.RUNNING
 
@@ -331,9 +332,10 @@ class Scheduler:
                 "Scheduler.update() takes the SchedulerOutput of the latest schedule(), once "
                 f"(got step {scheduler_output.step_id}, latest is {self._num_steps})"
             )
-        sampled, rejected = self._check_result(scheduler_output, step_result, pending)
+        sampled, rejected = check_step_result(scheduler_output, step_result, pending)
         self._pending = None
         kv = self.kv_cache_manager
+        max_model_len = self.config.max_model_len
         finished: list[Request] = []
         for sr in scheduler_output.scheduled:
             request = pending[sr.req_id]
@@ -343,20 +345,7 @@ class Scheduler:
             if sr.num_logits:
                 num_back = rejected.get(sr.req_id, 0) if rejected else 0
                 request.num_computed_tokens += sr.num_scheduled_tokens - num_back
-                tokens = sampled[sr.req_id]
-                if len(tokens) == 1:  # the common case, spelled out: this loop is the hot path
-                    request.output_token_ids.append(tokens[0])
-                    reason = self._finish_reason(request, tokens[0])
-                else:
-                    for token in tokens:
-                        request.output_token_ids.append(token)
-                        reason = self._finish_reason(request, token)
-                        if reason is not None:
-                            break
-                    # Drafts past a stop were computed but are not tokens of the request.
-                    request.num_computed_tokens = min(
-                        request.num_computed_tokens, request.num_tokens - 1
-                    )
+                reason = append_tokens(request, sampled[sr.req_id], max_model_len)
             else:
                 request.num_computed_tokens += sr.num_scheduled_tokens
             # Cache before freeing, so a finished request's full blocks stay reusable.
@@ -365,58 +354,6 @@ class Scheduler:
                 self._finish(sr.req_id, RequestStatus.FINISHED, reason)
                 finished.append(request)
         return finished
-
-    def _finish_reason(self, request: Request, token: int) -> FinishReason | None:
-        if (token == request.eos_token_id and not request.ignore_eos) or (
-            token in request.stop_token_set
-        ):
-            return FinishReason.STOP
-        if (
-            len(request.output_token_ids) >= request.max_tokens
-            or request.num_tokens >= self.config.max_model_len
-        ):
-            return FinishReason.LENGTH
-        return None
-
-    def _check_result(self, output: SchedulerOutput, result: StepResult, pending):
-        """Validates a StepResult against its output before anything changes, so a bad result
-        leaves the scheduler as it was. Returns ({req_id: tokens}, {req_id: rejected} or None)."""
-        n = len(result.req_ids)
-        if len(result.sampled_token_ids) != n or (
-            result.num_rejected_tokens is not None and len(result.num_rejected_tokens) != n
-        ):
-            raise ValueError(
-                f"StepResult.req_ids ({n}), sampled_token_ids ({len(result.sampled_token_ids)}) "
-                "and num_rejected_tokens must be parallel lists"
-            )
-        sampled = dict(zip(result.req_ids, result.sampled_token_ids))
-        rejected = (
-            dict(zip(result.req_ids, result.num_rejected_tokens))
-            if result.num_rejected_tokens is not None
-            else None
-        )
-        missing, bad = [], []
-        for sr in output.scheduled:
-            if not sr.num_logits or pending[sr.req_id].status is not RUNNING:
-                continue
-            tokens = sampled.get(sr.req_id)
-            if tokens is None:
-                missing.append(sr.req_id)
-            elif not 1 <= len(tokens) <= sr.num_logits or (
-                rejected is not None
-                and not 0 <= rejected[sr.req_id] < min(sr.num_scheduled_tokens, sr.num_logits)
-            ):
-                bad.append(sr.req_id)
-        if missing:
-            raise ValueError(
-                f"StepResult has no sampled token for {missing}, scheduled with num_logits > 0"
-            )
-        if bad:
-            raise ValueError(
-                f"StepResult for {bad}: each row keeps 1..num_logits tokens and rejects fewer "
-                "positions than it sampled"
-            )
-        return sampled, rejected
 
     def discard_step(self, scheduler_output: SchedulerOutput) -> None:
         """Forget a step whose results will never come (the runner failed): nothing advances, and

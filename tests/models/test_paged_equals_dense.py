@@ -1,4 +1,5 @@
-"""Paged prefill in chunks, then decode, for several sequences at once, equals the dense oracle."""
+"""Paged prefill in chunks, then decode, for several sequences at once, equals the dense oracle,
+with the layer loop unrolled and as a lax.scan over stacked layers."""
 
 import dataclasses
 
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 
 from models.config import preset_config
-from models.llama import forward_dense, forward_paged
+from models.llama import forward_dense, forward_paged, stack_layers
 from models.random_weights import random_params
 from tests.models.paged_batch import make_batch
 
@@ -27,7 +28,8 @@ def _config(num_heads, num_kv_heads, **extra):
                                                  "tie_word_embeddings": False})],
     ids=["gqa1", "gqa3", "gqa4", "qwen2-bias-untied"],
 )
-def test_chunked_prefill_then_decode_matches_dense(num_heads, num_kv_heads, extra):
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan"])
+def test_chunked_prefill_then_decode_matches_dense(num_heads, num_kv_heads, extra, scan):
     config = _config(num_heads, num_kv_heads, **extra)
     params = random_params(config, seed=1)
     rng = np.random.default_rng(0)
@@ -38,10 +40,10 @@ def test_chunked_prefill_then_decode_matches_dense(num_heads, num_kv_heads, extr
         n = -(-len(s) // BLOCK_SIZE)
         tables.append(list(range(next_block, next_block + n)))
         next_block += n
-    cache = [
-        (jnp.zeros((NUM_BLOCKS, BLOCK_SIZE, config.num_kv_heads, config.head_dim)),) * 2
-        for _ in range(config.num_layers)
-    ]
+    cache = (jnp.zeros((config.num_layers, NUM_BLOCKS, BLOCK_SIZE, config.num_kv_heads,
+                        config.head_dim)),) * 2
+    if scan:
+        params = stack_layers(params)
     step = jax.jit(lambda p, c, b: forward_paged(p, config, c, b))
     # Prefill each prompt in chunks of up to 20 tokens, all sequences in one ragged batch per step.
     done = [0] * len(seqs)
