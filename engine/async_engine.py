@@ -330,9 +330,13 @@ class AsyncLLMEngine:
             if output.finished:
                 live.discard(output.request_id)
         self._refresh_stats(0)
+        dying = self._dead_reason is None and getattr(self.engine, "dead_reason", None) is not None
+        if dying:  # known before the failed outputs arrive, so their handlers can say why
+            self._dead_reason = str(self.engine.dead_reason)
         if outputs:
             self._loop.call_soon_threadsafe(self._deliver, outputs, time.monotonic())
-        self._check_dead(live)
+        if dying:
+            self._fail_dead(live)
         return True
 
     def _check_dead(self, live: set[str]) -> bool:
@@ -340,12 +344,15 @@ class AsyncLLMEngine:
         reason = getattr(self.engine, "dead_reason", None)
         if reason is None or self._dead_reason is not None:
             return self._dead_reason is not None
-        logger.error("the engine is dead: %s", reason)
         self._dead_reason = str(reason)
+        self._fail_dead(live)
+        return True
+
+    def _fail_dead(self, live: set[str]) -> None:
+        logger.error("the engine is dead: %s", self._dead_reason)
         failed = sorted(live)
         live.clear()
-        self._loop.call_soon_threadsafe(self._fail_all, failed, f"the engine is dead: {reason}", True)
-        return True
+        self._loop.call_soon_threadsafe(self._fail_all, failed, f"the engine is dead: {self._dead_reason}", True)
 
     def _refuse(self, command: _Add, error: Exception) -> None:
         if command.future.set_running_or_notify_cancel():
