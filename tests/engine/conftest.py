@@ -13,7 +13,7 @@ from engine.config import EngineConfig
 
 ENGINE_KNOBS = dict(
     model="default", max_num_seqs=8, max_num_batched_tokens=128, max_model_len=256,
-    block_size=16, num_kv_blocks=8 * 16 + 1, token_buckets=(16, 32, 128), seq_buckets=(8,),
+    block_size=16, num_kv_blocks=8 * 16 + 1, token_buckets=(1, 16, 32, 128), seq_buckets=(8,),
     compilation_cache_dir=None,
 )
 

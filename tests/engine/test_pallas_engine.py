@@ -23,3 +23,13 @@ def test_pallas_interpret_engine_matches_xla(engine):
     want = run_to_completion(engine, requests)
     for rid, _, _ in requests:
         assert got[rid].outputs[0].token_ids == want[rid].outputs[0].token_ids
+
+
+def test_pallas_on_the_cpu_without_interpret_is_a_clear_error_at_construction():
+    import pytest
+
+    from engine.llm import LLM
+
+    with pytest.raises(ValueError, match="interpret=True"):
+        LLM("random:tiny", attention_backend="pallas", max_num_seqs=2, max_num_batched_tokens=16,
+            max_model_len=64, compilation_cache_dir=None, progress=False)

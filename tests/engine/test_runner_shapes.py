@@ -13,9 +13,10 @@ from engine.buckets import Bucket, default_buckets
 
 def test_buckets_are_declared_and_a_shape_outside_is_an_error(engine):
     shapes = engine.runner.shapes
-    assert shapes.buckets() == [Bucket(16, 8, 8), Bucket(32, 8, 8), Bucket(128, 8, 8)]
+    assert shapes.buckets() == [Bucket(1, 8, 1), Bucket(16, 8, 8), Bucket(32, 8, 8), Bucket(128, 8, 8)]
     assert set(engine.runner._compiled) == set(shapes.buckets())  # all compiled at start-up
-    assert shapes.bucket_for(3, 2) == Bucket(16, 8, 8) and shapes.bucket_for(17, 8) == Bucket(32, 8, 8)
+    assert shapes.bucket_for(1, 1) == Bucket(1, 8, 1) and shapes.bucket_for(3, 2) == Bucket(16, 8, 8)
+    assert shapes.bucket_for(17, 8) == Bucket(32, 8, 8)
     with pytest.raises(ValueError, match="token bucket"):
         shapes.bucket_for(129, 1)
     with pytest.raises(ValueError, match="sampled positions"):
