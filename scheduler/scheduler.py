@@ -16,7 +16,8 @@ One step, in order (DESIGN.md sections 2-3):
     budget takes what is left with chunked prefill, and otherwise waits (and so does everyone
     behind it). Under "priority", a waiting request may preempt a running one of lower priority.
     Fairness: a request whose group already holds max_seqs_per_group running seats is passed
-    over while a request of another group waits (the first such one in queue order is admitted).
+    over while a request of another group waits (the first such one in queue order is admitted),
+    and when no seat or block is free, the newest request of a group over its cap is preempted.
  5. The `SchedulerOutput` lists each scheduled request's tokens, position and whole block table,
     plus the ids finished, aborted and preempted since the last step.
  6. The engine runs the step and calls `update(output, step_result)`: computed counts advance,
@@ -30,6 +31,7 @@ adds an O(running) scan for the victim.
 from __future__ import annotations
 
 from scheduler.config import SchedulerConfig
+from scheduler.fairness import GroupSeats
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.outputs import (
     KVWaste,
@@ -66,7 +68,7 @@ class Scheduler:
         # Admitted requests in admission order (a dict: O(1) removal, newest is the last key).
         self.running: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}  # live: waiting or running
-        self._running_per_group: dict[str, int] = {}
+        self.group_seats = GroupSeats(config.max_seqs_per_group)  # fairness (fairness.py)
         self.num_preemptions = 0
         self._num_steps = 0
         self._finished_req_ids: list[str] = []
@@ -111,7 +113,7 @@ class Scheduler:
             return False
         if request.status is RUNNING:
             del self.running[req_id]
-            self._leave_group(request)
+            self.group_seats.leave(request)
             self.kv_cache_manager.free(request)
         else:
             self.waiting.remove(request)
@@ -205,7 +207,7 @@ class Scheduler:
         config, kv = self.config, self.kv_cache_manager
         block_size = config.block_size
         while self.waiting and plan.budget > 0:
-            request = self._next_admissible()
+            request = self.group_seats.pick(self.waiting.peek(), self.waiting)
             if request.req_id in plan.preempted:
                 return  # preempted in this step: it must not be scheduled in it
             computed = kv.get_computed_blocks(request)  # takes no references yet
@@ -215,10 +217,10 @@ class Scheduler:
                 if not config.enable_chunked_prefill:
                     return  # the prompt waits for a step with room, and so does the queue
                 num_new = plan.budget
-            if len(self.running) >= config.max_num_seqs and not self._preempt_for(request, plan):
+            if len(self.running) >= config.max_num_seqs and not self._make_room(request, plan):
                 return
             if kv.allocate_slots(request, num_new, computed) is None:
-                if self._preempt_for(request, plan):
+                if self._make_room(request, plan):
                     continue  # blocks were freed; look the prefix up again
                 return
             if request is self.waiting.peek():
@@ -228,18 +230,6 @@ class Scheduler:
             self._start_running(request, num_computed)
             plan.admitted.append(request)
             self._add_to_plan(request, num_new, plan)
-
-    def _next_admissible(self) -> Request:
-        """The head of the queue, unless its group is at its cap and another group's request
-        can run instead (then the first such request in queue order). O(waiting) only then."""
-        head = self.waiting.peek()
-        cap = self.config.max_seqs_per_group
-        if cap is None or self._running_per_group.get(head.group_id, 0) < cap:
-            return head
-        for request in self.waiting:
-            if self._running_per_group.get(request.group_id, 0) < cap:
-                return request
-        return head  # every waiting group is at its cap: work-conserving
 
     def _admit_static_batch(self, plan: _StepPlan) -> None:
         """Static baseline: admit up to max_num_seqs waiting requests whose prompts fit now."""
@@ -257,7 +247,7 @@ class Scheduler:
     def _start_running(self, request: Request, num_computed: int) -> None:
         request.num_computed_tokens = num_computed
         request.status = RUNNING
-        self._running_per_group[request.group_id] = self._running_per_group.get(request.group_id, 0) + 1
+        self.group_seats.join(request)
         if not request._admitted:
             request._admitted = True
             request.num_cached_tokens = num_computed
@@ -278,19 +268,22 @@ class Scheduler:
         )
         plan.budget -= num_new
 
-    def _leave_group(self, request: Request) -> None:
-        left = self._running_per_group[request.group_id] - 1
-        if left:
-            self._running_per_group[request.group_id] = left
-        else:
-            del self._running_per_group[request.group_id]
-
     # -- preemption --------------------------------------------------------------------------
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
             return max(self.running.values(), key=lambda r: (r.priority, r.arrival_time))
         return next(reversed(self.running.values()))
+
+    def _make_room(self, request: Request, plan: _StepPlan) -> bool:
+        """Preempts one running request for `request`: a lower-priority one (policy "priority"),
+        or the newest of a group over its fairness cap (fairness.py). False if none qualifies."""
+        if self._preempt_for(request, plan):
+            return True
+        victim = self.group_seats.victim_for(request, self.running)
+        if victim is not None:
+            self._preempt(victim, plan)
+        return victim is not None
 
     def _preempt_for(self, request: Request, plan: _StepPlan) -> bool:
         """Priority policy: preempt the lowest-priority running request if `request` outranks it."""
@@ -304,7 +297,7 @@ class Scheduler:
 
     def _preempt(self, victim: Request, plan: _StepPlan) -> None:
         del self.running[victim.req_id]
-        self._leave_group(victim)
+        self.group_seats.leave(victim)
         self.kv_cache_manager.free(victim)
         # Hash every full block now, so the resumed request finds its cached prefix.
         self.kv_cache_manager.update_block_hashes(victim)

@@ -131,12 +131,12 @@ def test_a_group_over_its_share_lets_another_group_in(fake_step, check_invariant
     # Nobody else waits: the big group fills the batch (work-conserving).
     assert [r.req_id for r in out.scheduled] == ["big0", "big1", "big2", "big3"]
     s.add_request(Request("small", [1, 2, 3], 2))
-    for _ in range(3):
-        fake_step(s)
-    # The small request waits for a seat; once one frees it is admitted before big4 and big5
-    # because its group holds none while "big" holds more than its cap of 2.
-    s.abort_request("big0")
+    # No seat is free, and "big" holds 4 > 2 seats: its newest request is preempted for "small",
+    # which is admitted ahead of big4 and big5.
     out, _ = fake_step(s)
-    assert "small" in [r.req_id for r in out.scheduled]
-    assert "big4" not in s.running
+    assert out.preempted_req_ids == ["big3"] and "small" in [r.req_id for r in out.scheduled]
+    assert "big4" not in s.running and "big3" not in s.running
+    # A seat that frees goes to the group under its cap first (small is done: big resumes).
+    out, done = fake_step(s)
+    assert [r.req_id for r in done] == ["small"]
     check_invariants(s)
