@@ -219,9 +219,10 @@ class LLMEngine:
         out = self.scheduler.schedule()
         try:
             result = self.runner.execute(out)  # also tells the runner's table who joined or left
+            # update() validates the whole result before it changes anything.
+            finished = {r.req_id: r for r in self.scheduler.update(out, result)}
         except Exception as exc:  # all-or-nothing: the step is dropped, its requests fail
             return self._fail_step(out, exc)
-        finished = {r.req_id: r for r in self.scheduler.update(out, result)}
         now = time.monotonic()
         touched: dict[str, RequestState] = {}
         logprobs = result.logprobs or [None] * len(result.req_ids)

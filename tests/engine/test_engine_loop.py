@@ -1,6 +1,8 @@
 """The engine loop on a fake runner (LLMEngine.from_parts): outputs, n > 1, stops, aborts,
 preemption, a step that fails (all-or-nothing), and scheduler knobs changed through one method."""
 
+import dataclasses
+
 import pytest
 
 from engine.config import EngineConfig
@@ -131,3 +133,16 @@ def test_reconfigure_hands_the_last_finishes_to_the_runner():
     assert "a" in runner.fed  # its finish is reported with the next schedule()
     engine.reconfigure_scheduler(enable_prefix_caching=False)
     assert not runner.fed
+
+
+def test_a_malformed_runner_result_fails_the_step_not_the_engine():
+    engine, runner = make_engine()
+    engine.add_request("a", prompt(1), GREEDY)
+    real_execute = runner.execute
+    runner.execute = lambda out: dataclasses.replace(real_execute(out), sampled_token_ids=[[]])
+    (failed,) = engine.step()
+    assert failed.outputs[0].finish_reason == "abort" and "num_logits" in failed.outputs[0].error
+    runner.execute = real_execute
+    outs = run_to_completion(engine, [("b", prompt(2), GREEDY)])
+    assert outs["b"].outputs[0].token_ids == expected_output(prompt(2), 12, VOCAB)
+    assert_no_leak(engine)
