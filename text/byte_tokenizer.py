@@ -8,6 +8,8 @@ special tokens in text, so `encode_chat` is the plain rendering's bytes.
 
 from __future__ import annotations
 
+from text.tokenizer_spec import PromptTooLongError
+
 CHAT_TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<assistant>{% endif %}"
@@ -25,8 +27,12 @@ class ByteTokenizer:
         self.chat_template = CHAT_TEMPLATE
         self.name = "bytes"
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(text.encode("utf-8"))
+    def encode(self, text: str, add_special_tokens: bool = True, *,
+               max_num_tokens: int | None = None) -> list[int]:
+        data = text.encode("utf-8")
+        if max_num_tokens is not None and len(data) > max_num_tokens:
+            raise PromptTooLongError(len(data), max_num_tokens)
+        return list(data)
 
     def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
         return bytes(int(t) for t in token_ids if 0 <= int(t) < 256).decode("utf-8", errors="replace")

@@ -38,10 +38,11 @@ from text.chat_template import (
 from text.detokenizer import IncrementalDetokenizer
 from text.tokenizer_gguf import gguf_tokenizer_spec
 from text.tokenizer_hf import check_path, hf_tokenizer_spec
-from text.tokenizer_spec import TokenizerLoadError, TokenizerSpec
+from text.tokenizer_spec import PromptTooLongError, TokenizerLoadError, TokenizerSpec
 
 __all__ = [
     "IncrementalDetokenizer",
+    "PromptTooLongError",
     "Tokenizer",
     "TokenizerLoadError",
     "load_tokenizer",
@@ -102,13 +103,24 @@ class Tokenizer:
 
     # -- text -> ids ---------------------------------------------------------------------------
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, *,
+               max_num_tokens: int | None = None) -> list[int]:
+        """With `max_num_tokens`, a longer result raises PromptTooLongError before its ids
+        become a Python list (for a huge text, building and freeing that list is what holds
+        the GIL longest)."""
         if not isinstance(text, str):
             raise TypeError(f"encode() takes a str, got {type(text).__name__}")
+        num_added = 0
+        if add_special_tokens:
+            num_added = int(self.add_bos_token and self.bos_token_id is not None) + int(
+                self.add_eos_token and self.eos_token_id is not None)
+        limit = None if max_num_tokens is None else max_num_tokens - num_added
         if self._is_sentencepiece:
             ids = self._encode_sentencepiece(text)
+            if limit is not None and len(ids) > limit:
+                raise PromptTooLongError(len(ids) + num_added, max_num_tokens)
         else:
-            ids = _encode_unlocked(self._backend, text)
+            ids = _encode_unlocked(self._backend, text, limit, num_added)
         if add_special_tokens:
             if self.add_bos_token and self.bos_token_id is not None:
                 ids = [self.bos_token_id, *ids]
@@ -252,10 +264,15 @@ class Tokenizer:
         return ids
 
 
-def _encode_unlocked(backend: tokenizers.Tokenizer, text: str) -> list[int]:
+def _encode_unlocked(backend: tokenizers.Tokenizer, text: str, limit: int | None = None,
+                     num_added: int = 0) -> list[int]:
     # The batch entry points release the GIL (encode() holds it for the whole call); _fast skips
-    # the character offsets, which nothing here uses. Same ids as encode().
-    return backend.encode_batch_fast([text], add_special_tokens=False)[0].ids
+    # the character offsets, which nothing here uses. Same ids as encode(). len() of the
+    # Encoding counts without building the ids list.
+    encoding = backend.encode_batch_fast([text], add_special_tokens=False)[0]
+    if limit is not None and len(encoding) > limit:
+        raise PromptTooLongError(len(encoding) + num_added, limit + num_added)
+    return encoding.ids
 
 
 def tokenizer_from_gguf(reader: gguf.GGUFReader, path: str | os.PathLike) -> Tokenizer:

@@ -2,6 +2,7 @@
 
 Loaders (`tokenizer_gguf.py`, `tokenizer_hf.py`) build one of these; `tokenizer.Tokenizer` wraps it.
 Keeping the record separate lets the loaders and the wrapper import it without importing each other.
+The errors every tokenizer raises live here too.
 """
 
 import dataclasses
@@ -21,6 +22,15 @@ END_OF_GENERATION_NAMES = (
     "<|end|>",
     "</s>",
 )
+
+
+class PromptTooLongError(ValueError):
+    """encode(max_num_tokens=...) found more tokens than allowed (`num_tokens` of them)."""
+
+    def __init__(self, num_tokens: int, max_num_tokens: int):
+        super().__init__(f"the text has {num_tokens} tokens, more than {max_num_tokens}")
+        self.num_tokens = num_tokens
+        self.max_num_tokens = max_num_tokens
 
 
 class TokenizerLoadError(ValueError):

@@ -31,12 +31,11 @@ Fairness (no client starves the rest), in layers:
 - Queue: at most max_queue_len sequences wait (503 + Retry-After beyond; a request that alone
   exceeds it is a 400, never "retry later" forever).
 - Seats: one HTTP request is one engine group (group_id = its response id). While requests of
-  other groups wait, the scheduler admits no more of a group that holds
-  EngineConfig.max_request_share of the max_num_seqs running seats, so a small request is admitted
-  ahead of a huge request's remaining sequences. Known gap (scheduler, not this layer): a group
-  that took every seat while nobody else waited is not preempted back to its share when a small
-  request arrives, so that request waits for one of the huge request's sequences to finish
-  (tests/entrypoints/test_server_tiny.py and test_server_fairness.py mark this xfail).
+  other groups wait, a group holds at most EngineConfig.max_request_share of the max_num_seqs
+  running seats: the scheduler admits another group's request ahead of its queued sequences and,
+  with no seat or block free, preempts the newest sequence of a group over its share
+  (scheduler/fairness.py). So a 4-token request completes beside a 64-prompt x n=16 one
+  (tests/entrypoints/test_server_tiny.py; full size: test_server_fairness.py, -m slow).
 - Slow clients: request heads within header_timeout_s, bodies within body_timeout_s (dropped and
   counted); the preparing threads and the event loop never wait on one client.
 """

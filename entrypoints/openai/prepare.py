@@ -7,12 +7,14 @@ threads, never on the event loop (a 1 MB prompt takes a noticeable time to parse
    max_queue_len, more logprobs than the engine keeps.
 4. Tokenize: prompts as they are, chat through the template (`encode_chat`: text in a message never
    becomes a control token unless the server trusts its clients); token-id prompts are checked
-   against the vocabulary; prompt + max_tokens must fit max_model_len.
+   against the vocabulary; prompt + max_tokens must fit max_model_len (a tokenizer that takes
+   `max_num_tokens` stops counting there, so a huge prompt never becomes a huge list of ids).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import uuid
 
@@ -84,6 +86,27 @@ class Preparer:
     max_queue_len: int | None
     trust_chat_special_tokens: bool = False
 
+    def __post_init__(self) -> None:
+        try:
+            parameters = inspect.signature(self.tokenizer.encode).parameters
+        except (TypeError, ValueError):
+            parameters = {}
+        # Tokenizers that can stop at a token count (text.Tokenizer) refuse a huge prompt before
+        # its ids become a Python list; the others encode it all and check_context refuses it.
+        self._can_limit = "max_num_tokens" in parameters
+
+    def _encode_prompt(self, prompt: str, max_tokens: int | None) -> list[int]:
+        if not self._can_limit:
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        try:
+            return self.tokenizer.encode(prompt, add_special_tokens=True, max_num_tokens=self.max_model_len - 1)
+        except ValueError as exc:
+            num_tokens = getattr(exc, "num_tokens", None)
+            if num_tokens is None:
+                raise
+        check_context(num_tokens, max_tokens, self.max_model_len, prompt_param="prompt")
+        raise AssertionError("check_context refuses a prompt of max_model_len tokens")
+
     def _check_admission(self, num_prompts: int, params: SamplingParams, prompt_param: str) -> None:
         """400 for a request that could never be admitted, whatever the load."""
         if self.max_logprobs is not None and params.logprobs is not None and params.logprobs > self.max_logprobs:
@@ -111,7 +134,7 @@ class Preparer:
         prompt_ids = []
         for prompt in req.prompts:
             if isinstance(prompt, str):
-                ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+                ids = self._encode_prompt(prompt, req.params.max_tokens)
             else:
                 ids = prompt
                 self._check_ids(ids)

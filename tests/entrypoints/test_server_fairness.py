@@ -26,8 +26,6 @@ FLAGS = ("--model=default", "--max_num_seqs=32", "--max_num_batched_tokens=256",
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, raises=(TimeoutError, AssertionError), reason="scheduler: a group that filled every seat before others arrived is not "
-                   "preempted back to its max_request_share")
 def test_a_4_token_request_completes_within_10_s_beside_a_huge_one(request):
     if "slow" not in (request.config.getoption("markexpr") or ""):
         pytest.skip("full-size acceptance on the default model: run with -m slow")

@@ -77,9 +77,6 @@ async def _stream_until(session, url, body, stop: asyncio.Event, progress: dict,
     return "finished"
 
 
-@pytest.mark.xfail(strict=True, raises=(TimeoutError, AssertionError), reason="scheduler: a group that filled every seat before others arrived is not "
-                   "preempted back to its max_request_share, so the small request waits for a huge sequence to "
-                   "finish (see the fairness note in entrypoints/openai/api_server.py)")
 def test_a_small_request_is_served_while_a_huge_one_runs(server):
     # 8 prompts x n=4 = 32 sequences of 900 tokens on 8 seats: about 3600 steps of work.
     huge = {"prompt": [f"huge {i}" for i in range(8)], "n": 4, "max_tokens": 900, "ignore_eos": True,
