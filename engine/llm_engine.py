@@ -34,7 +34,7 @@ from engine.model_runner import num_backend_compilations
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.request_state import RequestState, SequenceState
 from engine.request_table import RowParams
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import ParamError, SamplingParams
 from scheduler import FinishReason, Request, Scheduler
 
 # Knobs that change only the scheduler (no compiled shape): reconfigure_scheduler() takes these.
@@ -136,20 +136,20 @@ class LLMEngine:
         """The prompt's token ids, validated; ValueError naming `prompt` otherwise."""
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("prompt: must not be empty")
+                raise ParamError("prompt", "prompt: must not be empty")
             ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         elif isinstance(prompt, list | tuple):
             ids = list(prompt)
             vocab = self.runner.sample_vocab_size
             for t in ids:
                 if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                    raise ValueError(f"prompt: token id {t!r} is not an integer in [0, {vocab})")
+                    raise ParamError("prompt", f"prompt: token id {t!r} is not an integer in [0, {vocab})")
         else:
-            raise ValueError(f"prompt: must be a string or a list of token ids, got {type(prompt).__name__}")
+            raise ParamError("prompt", f"prompt: must be a string or a list of token ids, got {type(prompt).__name__}")
         if not ids:
-            raise ValueError("prompt: must not be empty")
+            raise ParamError("prompt", "prompt: must not be empty")
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt: {len(ids)} tokens, but max_model_len is {self.max_model_len} "
+            raise ParamError("prompt", f"prompt: {len(ids)} tokens, but max_model_len is {self.max_model_len} "
                              "(the prompt must leave room for at least one generated token)")
         return ids
 
@@ -164,11 +164,11 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         if not isinstance(request_id, str) or not request_id:
-            raise ValueError("request_id: must be a non-empty string")
+            raise ParamError("request_id", "request_id: must be a non-empty string")
         if request_id in self._requests:
-            raise ValueError(f"request_id: {request_id!r} is already running")
+            raise ParamError("request_id", f"request_id: {request_id!r} is already running")
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise ValueError(f"logprobs: at most {self.config.max_logprobs}, got {params.logprobs}")
+            raise ParamError("logprobs", f"logprobs: at most {self.config.max_logprobs}, got {params.logprobs}")
         ids = self.tokenize(prompt, add_special_tokens)
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
