@@ -23,6 +23,9 @@ methods. What happens:
 Admission counts sequences, not prompts: a request with n samples is n sequences in the engine's
 waiting queue, so `queue_is_full` and the pending count are in sequences. Each add carries a
 `group_id` (one per HTTP request) for the engine's fairness cap.
+
+What crosses between the two threads (the commands, `RequestStream`, `EngineError` and
+`EngineDeadError`) is in engine/request_stream.py; the public names are importable from here.
 """
 
 from __future__ import annotations
@@ -37,17 +40,17 @@ import time
 
 from engine.metrics import ServerMetrics
 from engine.outputs import RequestOutput
+from engine.request_stream import (
+    AbortCommand,
+    AddCommand,
+    EngineDeadError,
+    EngineError,
+    RequestStream,
+    StopCommand,
+)
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class EngineError(RuntimeError):
-    """The engine failed (or is shutting down) while this request was in flight."""
-
-
-class EngineDeadError(EngineError):
-    """The engine can serve no more (its runner lost its device state, or the step thread ended)."""
 
 
 @dataclasses.dataclass
@@ -58,75 +61,6 @@ class _Tracker:
     arrival: float
     num_tokens: int = 0
     last_token_time: float | None = None
-
-
-@dataclasses.dataclass
-class _Add:
-    request_id: str
-    prompt: str | list[int]
-    params: SamplingParams
-    arrival_time: float
-    future: concurrent.futures.Future
-    group_id: str | None = None
-
-    @property
-    def num_seqs(self) -> int:
-        return self.params.n
-
-
-@dataclasses.dataclass
-class _Abort:
-    request_id: str
-
-
-class _Stop:
-    pass
-
-
-class RequestStream:
-    """The outputs of the engine requests of one HTTP request (one per prompt).
-
-    Outputs are cumulative, so only the newest output of each request is kept until the reader
-    takes it: a slow reader costs one output per request, not a backlog.
-    """
-
-    def __init__(self, engine: AsyncLLMEngine):
-        self._engine = engine
-        self._newest: dict[str, RequestOutput] = {}
-        self._error: EngineError | None = None
-        self._ready = asyncio.Event()
-        self.request_ids: list[str] = []
-        self.finished: set[str] = set()
-
-    def _put(self, item: RequestOutput | EngineError) -> None:
-        if isinstance(item, EngineError):
-            self._error = item
-        else:
-            self._newest[item.request_id] = item
-        self._ready.set()
-
-    @property
-    def done(self) -> bool:
-        return len(self.finished) == len(self.request_ids)
-
-    async def next_outputs(self) -> dict[str, RequestOutput]:
-        """Waits for news; returns the newest output per request id. Raises EngineError."""
-        await self._ready.wait()
-        self._ready.clear()
-        if self._error is not None:
-            raise self._error
-        newest, self._newest = self._newest, {}
-        for request_id, output in newest.items():
-            if output.finished:
-                self.finished.add(request_id)
-        return newest
-
-    def abort_unfinished(self) -> None:
-        """Aborts every request of this stream that has not finished (client gone, error, ...)."""
-        for request_id in self.request_ids:
-            if request_id not in self.finished:
-                self.finished.add(request_id)
-                self._engine.abort(request_id)
 
 
 class AsyncLLMEngine:
@@ -159,7 +93,7 @@ class AsyncLLMEngine:
         self._stopping = True
         for request_id in list(self._trackers):
             self._fail(request_id, EngineError(reason))
-        self._commands.put(_Stop())
+        self._commands.put(StopCommand())
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
 
@@ -219,7 +153,7 @@ class AsyncLLMEngine:
         self._trackers[request_id] = _Tracker(stream=stream, arrival=arrival)
         with self._lock:
             self._num_pending += params.n
-        self._commands.put(_Add(request_id, prompt, params, arrival, future, group_id))
+        self._commands.put(AddCommand(request_id, prompt, params, arrival, future, group_id))
         try:
             await asyncio.wrap_future(future)
         except BaseException:
@@ -233,7 +167,7 @@ class AsyncLLMEngine:
     def abort(self, request_id: str) -> None:
         """Queues an abort; the step thread frees the request's blocks before its next step."""
         self._trackers.pop(request_id, None)
-        self._commands.put(_Abort(request_id))
+        self._commands.put(AbortCommand(request_id))
 
     def _deliver(self, outputs: list[RequestOutput], now: float) -> None:
         """Event loop: record latencies and route each output to its stream."""
@@ -261,7 +195,7 @@ class AsyncLLMEngine:
         tracker = self._trackers.pop(request_id, None)
         if tracker is not None:
             tracker.stream._put(error)
-            self._commands.put(_Abort(request_id))
+            self._commands.put(AbortCommand(request_id))
 
     def _fail_all(self, request_ids: list[str], message: str, dead: bool = False) -> None:
         if not dead:
@@ -294,18 +228,18 @@ class AsyncLLMEngine:
         num_seqs = 0
         try:
             for position, command in enumerate(commands):
-                if isinstance(command, _Stop):
+                if isinstance(command, StopCommand):
                     if not dead:
                         self._abort_in_engine(live)
                     self._refuse_queued_adds(commands[position + 1:], "the server is shutting down")
                     return False
-                if isinstance(command, _Add):
+                if isinstance(command, AddCommand):
                     num_seqs += command.num_seqs
                     if dead:
                         self._refuse(command, EngineDeadError(self._dead_reason))
                     else:
                         self._handle_add(command, live)
-                elif isinstance(command, _Abort) and command.request_id in live and not dead:
+                elif isinstance(command, AbortCommand) and command.request_id in live and not dead:
                     self._abort_in_engine([command.request_id])
                     live.discard(command.request_id)
         finally:
@@ -354,7 +288,7 @@ class AsyncLLMEngine:
         live.clear()
         self._loop.call_soon_threadsafe(self._fail_all, failed, f"the engine is dead: {self._dead_reason}", True)
 
-    def _refuse(self, command: _Add, error: Exception) -> None:
+    def _refuse(self, command: AddCommand, error: Exception) -> None:
         if command.future.set_running_or_notify_cancel():
             command.future.set_exception(error)
 
@@ -366,7 +300,7 @@ class AsyncLLMEngine:
             except queue.Empty:
                 break
         for command in commands:
-            if isinstance(command, _Add):
+            if isinstance(command, AddCommand):
                 self._refuse(command, EngineError(reason))
 
     def _abort_in_engine(self, request_ids) -> None:
@@ -376,7 +310,7 @@ class AsyncLLMEngine:
             except Exception:  # noqa: BLE001
                 logger.exception("abort_request(%s) failed", request_id)
 
-    def _handle_add(self, command: _Add, live: set[str]) -> None:
+    def _handle_add(self, command: AddCommand, live: set[str]) -> None:
         if not command.future.set_running_or_notify_cancel():
             return  # the handler gave up waiting (client gone)
         try:

@@ -27,6 +27,13 @@
 What the model ignores (why a measurement is slower): kernel launch and Python step overheads,
 prefill chunks sharing steps with decodes, padding to buckets, sampling, the host<->device
 copies, and attainable bandwidth and FLOP/s below the spec sheet's peak.
+
+Where it lives: steps 1-5 (`capacity()`), the comparison with a measured concurrency sweep
+(`compare_with_measured`) and the command line are here; the device figures (`DEVICES`, and
+`device_from_probe` for this machine) are in experiments/capacity_devices.py; the report
+(`CapacityReport`, `DecodePoint`) and its text and plot (`format_report`, `plot`) are in
+experiments/capacity_report.py. Every name is importable from this module (the notebook's
+`from experiments import capacity`).
 """
 
 from __future__ import annotations
@@ -41,48 +48,22 @@ from collections.abc import Sequence
 from absl import app, flags
 
 from engine.config import EngineConfig
+from experiments.capacity_devices import DEVICES, GB, DeviceSpec, device_from_probe, device_spec
+from experiments.capacity_report import CapacityReport, DecodePoint, format_report, plot
 from experiments.device_probe import Probe, measure_device
 from models.config import ModelConfig, preset_config
 
-GB = 1e9
 # The engine's own defaults for the cache (block size, memory fraction, the CPU byte budget).
 ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
-
-@dataclasses.dataclass(frozen=True)
-class DeviceSpec:
-    name: str
-    kind: str  # gpu | tpu | cpu
-    hbm_bytes: float  # per chip
-    bandwidth: float  # HBM bytes / s per chip
-    peak_flops: float  # dense bf16 FLOP / s per chip (cpu: float32, measured)
-    memory_fraction: float  # of HBM the runtime hands JAX (GPU: XLA_PYTHON_CLIENT_MEM_FRACTION)
-
-
-# Spec-sheet figures per chip; FLOP/s are dense bf16 (the sheets' "with sparsity" numbers halved).
-DEVICES: dict[str, DeviceSpec] = {
-    # NVIDIA H200 SXM datasheet: 141 GB HBM3e, 4.8 TB/s, BF16 1,979 TFLOPS with sparsity.
-    "h200": DeviceSpec("h200", "gpu", 141 * GB, 4.8e12, 989e12, 0.75),
-    # NVIDIA H100 SXM datasheet: 80 GB HBM3, 3.35 TB/s, BF16 1,979 TFLOPS with sparsity.
-    "h100": DeviceSpec("h100", "gpu", 80 * GB, 3.35e12, 989e12, 0.75),
-    # NVIDIA A100 80GB SXM datasheet: 2,039 GB/s, BF16 312 TFLOPS (624 with sparsity).
-    "a100": DeviceSpec("a100", "gpu", 80 * GB, 2.039e12, 312e12, 0.75),
-    # Google Cloud TPU v5e docs: 16 GB HBM2 at 819 GB/s, 197 TFLOP/s bf16 per chip.
-    "v5e": DeviceSpec("v5e", "tpu", 16 * GB, 819 * GB, 197e12, 1.0),
-    # Google Cloud TPU v6e (Trillium) docs: 32 GB HBM at 1,638 GB/s, 918 TFLOP/s bf16 per chip.
-    "v6e": DeviceSpec("v6e", "tpu", 32 * GB, 1638 * GB, 918e12, 1.0),
-    # The 2-core development machine (AMD EPYC, KVM, 23 GB RAM), float32: the best of 5 runs of
-    # measure_device() (BUILD_NOTES.md, "Capacity calculator against measurement"; the runs are
-    # in experiments/results/capacity_vs_bench.json). Rerun with --measure on another machine.
-    "cpu": DeviceSpec("cpu", "cpu", 23 * GB, 24.38 * GB, 68.14e9, 1.0),
-}
-
-def device_spec(name: str, **overrides) -> DeviceSpec:
-    """The table's figures for `name`, with `overrides` (None: keep) applied."""
-    if name not in DEVICES:
-        raise ValueError(f"unknown device {name!r} (known: {', '.join(DEVICES)})")
-    return dataclasses.replace(DEVICES[name], **{k: v for k, v in overrides.items() if v is not None})
+__all__ = [
+    "DEVICES", "DTYPE_BYTES", "ENGINE_DEFAULTS", "GB", "CapacityReport", "DecodePoint", "DeviceSpec",
+    "Probe", "blocks_for", "capacity", "compare_with_measured", "crossover_batch", "decode_step",
+    "define_flags", "device_from_probe", "device_spec", "format_report", "kv_budget_bytes", "main",
+    "matmul_params", "measure_device", "measured_from_sweep", "model_config_for", "plot",
+    "requests_that_fit",
+]
 
 
 def model_config_for(model: str) -> ModelConfig:
@@ -113,20 +94,6 @@ def matmul_params(config: ModelConfig) -> int:
     of which only the batch's rows are gathered."""
     untied_embedding = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
     return config.num_params - untied_embedding
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodePoint:
-    batch: int
-    step_s: float
-    memory_s: float  # bytes / bandwidth
-    compute_s: float  # flops / peak
-    per_user_tok_s: float
-    aggregate_tok_s: float
-
-    @property
-    def bound(self) -> str:
-        return "compute" if self.compute_s > self.memory_s else "memory"
 
 
 def decode_step(config: ModelConfig, device: DeviceSpec, itemsize: int, batch: int,
@@ -178,45 +145,6 @@ def requests_that_fit(num_blocks: int, lengths: Sequence[int], block_size: int,
         free -= need
         count += 1
     return count
-
-
-@dataclasses.dataclass
-class CapacityReport:
-    model: str
-    device: DeviceSpec
-    dtype: str
-    tensor_parallel_size: int
-    max_model_len: int
-    prompt_len: int
-    output_len: int
-    block_size: int
-    num_params: int
-    weight_bytes: int
-    kv_bytes_per_token: int
-    kv_budget_bytes: float  # all chips together; <= 0: the weights do not fit
-    kv_cache_memory_fraction: float
-    num_blocks: int  # including the null block
-    fit_paged: int
-    fit_contiguous: int
-    context_len: float  # mean context over a request's decode
-    crossover_batch: float | None
-    crossover_batch_no_kv: float | None  # the same with no KV reads (a very short context)
-    decode: list[DecodePoint]
-    slo_itl_ms: float | None = None
-    slo_batch: int | None = None  # largest batch (<= fit_paged) whose step meets the SLO
-
-    @property
-    def weights_fit(self) -> bool:
-        return self.kv_budget_bytes > 0
-
-    def point(self, batch: int) -> DecodePoint:
-        return next(p for p in self.decode if p.batch == batch)
-
-    def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        for p, point in zip(d["decode"], self.decode):
-            p["bound"] = point.bound
-        return d
 
 
 def kv_budget_bytes(device: DeviceSpec, weight_bytes: float, tensor_parallel_size: int,
@@ -279,84 +207,6 @@ def capacity(model: str | ModelConfig, device: str | DeviceSpec = "h200", *, dty
         decode=decode, slo_itl_ms=slo_itl_ms, slo_batch=slo_batch)
 
 
-def format_report(r: CapacityReport) -> str:
-    chips = f" x {r.tensor_parallel_size}" if r.tensor_parallel_size > 1 else ""
-    d = r.device
-    lines = [
-        f"model {r.model}: {r.num_params / 1e9:.3f} B parameters, {r.dtype}",
-        f"device {d.name}{chips}: {d.hbm_bytes / GB:.0f} GB, {d.bandwidth / GB:,.1f} GB/s, "
-        + (f"{d.peak_flops / 1e12:,.0f} TFLOP/s" if d.peak_flops >= 1e12 else f"{d.peak_flops / 1e9:,.1f} GFLOP/s")
-        + " per chip",
-        f"weight bytes:           {r.weight_bytes:,} ({r.weight_bytes / GB:.2f} GB)",
-        f"KV bytes per token:     {r.kv_bytes_per_token:,}",
-    ]
-    if not r.weights_fit:
-        need = math.ceil(r.weight_bytes / (d.hbm_bytes * d.memory_fraction))
-        lines.append(f"the weights do not fit in {d.memory_fraction:g} of {r.tensor_parallel_size} "
-                     f"chip(s): use --tensor_parallel_size={max(need, r.tensor_parallel_size + 1)} or more")
-        return "\n".join(lines) + "\n"
-    if d.kind == "cpu":
-        how = "the engine's CPU budget (kv_cache_bytes)"
-    else:
-        how = f"{r.kv_cache_memory_fraction:g} x ({d.memory_fraction:g} x HBM - weights)"
-    total = r.prompt_len + r.output_len
-    lines += [
-        f"KV budget:              {r.kv_budget_bytes / GB:.2f} GB, {how}: {r.num_blocks:,} blocks "
-        f"of {r.block_size} tokens ({(r.num_blocks - 1) * r.block_size:,} tokens)",
-        f"users that fit at {total:,}-token context ({r.prompt_len} prompt + {r.output_len} output): "
-        f"paged {r.fit_paged:,}, contiguous {r.fit_contiguous:,} (max_model_len {r.max_model_len:,} "
-        "reserved each)",
-        f"decode at mean context {r.context_len:,.0f} tokens:",
-        "  batch | step (ms) | bound   | per user (tok/s) | aggregate (tok/s)",
-    ]
-    for p in r.decode:
-        lines.append(f"  {p.batch:5d} | {p.step_s * 1000:9.2f} | {p.bound:7s} | "
-                     f"{p.per_user_tok_s:16,.1f} | {p.aggregate_tok_s:17,.0f}")
-    if r.crossover_batch is None:
-        lines.append("crossover: none (KV reads grow as fast as flops: decode stays memory-bound "
-                     "at this context)")
-    else:
-        where = "within" if r.crossover_batch <= r.fit_paged else "beyond"
-        lines.append(f"crossover (compute overtakes bandwidth): batch {r.crossover_batch:,.1f} "
-                     f"({where} the paged memory fit)")
-    if r.crossover_batch_no_kv is not None:
-        lines.append(f"crossover with no KV reads (very short contexts): batch {r.crossover_batch_no_kv:,.1f}")
-    if r.slo_itl_ms is not None:
-        lines.append(f"largest batch with a step under {r.slo_itl_ms:g} ms: {r.slo_batch}")
-    return "\n".join(lines) + "\n"
-
-
-def plot(reports: Sequence[CapacityReport], path: str | None = None, title: str = ""):
-    """Aggregate and per-user decode rate against concurrency, one line per report; returns the
-    figure (written to `path` and closed when given)."""
-    import matplotlib.pyplot as plt
-
-    fig, (ax_agg, ax_user) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for r in reports:
-        label = f"{r.model} on {r.device.name}" + (f" x {r.tensor_parallel_size}" if r.tensor_parallel_size > 1 else "")
-        xs = [p.batch for p in r.decode]
-        line, = ax_agg.plot(xs, [p.aggregate_tok_s for p in r.decode], "o-", label=label)
-        ax_user.plot(xs, [p.per_user_tok_s for p in r.decode], "o-", color=line.get_color(), label=label)
-        for ax in (ax_agg, ax_user):
-            if r.crossover_batch is not None:
-                ax.axvline(r.crossover_batch, color=line.get_color(), linestyle="--", alpha=0.5)
-            if r.fit_paged:
-                ax.axvline(r.fit_paged, color=line.get_color(), linestyle=":", alpha=0.5)
-    for ax, ylabel in ((ax_agg, "aggregate decode tokens / s"), (ax_user, "per-user tokens / s")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("concurrent requests (batch)")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, alpha=0.3, which="both")
-        ax.legend(fontsize=8)
-    fig.suptitle(title or "predicted decode rate (dashed: crossover; dotted: paged memory fit)")
-    fig.tight_layout()
-    if path:
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-    return fig
-
-
 # ---------------------------------------------------------------- against a measured sweep
 
 
@@ -410,21 +260,7 @@ def compare_with_measured(measured: dict, model: str | ModelConfig, device: Devi
     return out
 
 
-# ---------------------------------------------------------------- this machine
-
-
-def device_from_probe(probe: Probe, name: str = "this machine") -> DeviceSpec:
-    """A DeviceSpec of JAX's default device with the probe's figures; its memory is what the
-    runtime reports (already net of JAX's preallocation fraction), or the RAM on the CPU."""
-    import jax
-
-    device = jax.devices()[0]
-    if device.platform == "cpu":
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return DeviceSpec(name, "cpu", float(ram), probe.bandwidth, probe.peak_flops, 1.0)
-    limit = (device.memory_stats() or {}).get("bytes_limit", 0)
-    kind = "tpu" if device.platform == "tpu" else "gpu"
-    return DeviceSpec(name, kind, float(limit), probe.bandwidth, probe.peak_flops, 1.0)
+# ---------------------------------------------------------------- the command line
 
 
 def define_flags() -> None:

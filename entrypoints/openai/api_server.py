@@ -19,9 +19,10 @@ What happens to a request:
    sequences than max_queue_len) is a 400 that says so; one that does not fit now gets 503 with
    Retry-After. Otherwise one engine request per prompt goes to the AsyncLLMEngine, all with the
    same group_id (the HTTP request's id).
-5. Streaming: server-sent events, one chunk per choice whenever the engine produced new text,
-   ending with `data: [DONE]`. Whole: wait for the last outputs, answer one JSON body. A sequence
-   the engine failed (`CompletionOutput.error`) fails its HTTP request: 500, or an error event.
+5. The answer (response_writers.py). Streaming: server-sent events, one chunk per choice whenever
+   the engine produced new text, ending with `data: [DONE]`. Whole: wait for the last outputs,
+   answer one JSON body. A sequence the engine failed (`CompletionOutput.error`) fails its HTTP
+   request: 500, or an error event.
 6. However the handler ends (finished, client gone and the handler cancelled, write failed,
    error), its unfinished engine requests are aborted, which frees their KV blocks.
 
@@ -38,87 +39,42 @@ Fairness (no client starves the rest), in layers:
   (tests/entrypoints/test_server_tiny.py; full size: test_server_fairness.py, -m slow).
 - Slow clients: request heads within header_timeout_s, bodies within body_timeout_s (dropped and
   counted); the preparing threads and the event loop never wait on one client.
+
+This module is the app: routes, middleware, reading bodies, handing prepared jobs to the engine,
+draining on SIGTERM. The settings (`ServerConfig`, `default_body_limit`) are in
+server_config.py and importable from here too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import hmac
-import json
 import logging
 import signal
 import time
 
 from aiohttp import web
 
-from engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineError, RequestStream
+from engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineError
 from engine.metrics import ServerMetrics
-from engine.sampling_params import MAX_N
 from entrypoints.openai.http_guard import GuardedAppRunner
 from entrypoints.openai.prepare import Job, Preparer, vocab_size_of
-from entrypoints.openai.protocol import MAX_PROMPTS, ProtocolError, RequestLimits
-from entrypoints.openai.responses import (
-    ChoiceCursor,
-    TokenTexts,
-    advance,
-    chat_chunk_choice,
-    chat_logprobs,
-    chat_message_choice,
-    completion_choice,
-    completion_logprobs,
-    envelope,
-    usage,
+from entrypoints.openai.protocol import ProtocolError, RequestLimits
+from entrypoints.openai.response_writers import ResponseWriter
+from entrypoints.openai.responses import TokenTexts
+from entrypoints.openai.server_config import (
+    BODY_BYTES_BASE,
+    BODY_BYTES_PER_TOKEN,
+    ServerConfig,
+    default_body_limit,
 )
 
 logger = logging.getLogger(__name__)
 
-# Default body limit: room for a max_model_len prompt at 64 bytes per token (long tokens, JSON
-# escapes such as \\uXXXX\\uXXXX) plus 1 MiB for everything else in the body.
-BODY_BYTES_PER_TOKEN = 64
-BODY_BYTES_BASE = 1024 * 1024
-
-
-def default_body_limit(max_model_len: int) -> int:
-    return BODY_BYTES_BASE + BODY_BYTES_PER_TOKEN * max_model_len
-
-
-@dataclasses.dataclass(frozen=True)
-class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000  # 0: any free port (printed at start-up)
-    api_key: str | None = None  # when set, /v1 routes need "Authorization: Bearer <api_key>"
-    served_model_name: str | None = None  # None: the engine's model_name
-    max_queue_len: int | None = None  # most waiting sequences (prompts x n) before 503; None: unbounded
-    max_n: int = MAX_N  # most samples per prompt
-    max_prompts: int = MAX_PROMPTS  # most prompts in one /v1/completions request
-    max_body_bytes: int | None = None  # request body limit; None: default_body_limit(max_model_len)
-    header_timeout_s: float = 10.0  # a request head (line + headers) must arrive within this
-    body_timeout_s: float = 30.0  # a request body must arrive within this once its head has
-    keepalive_timeout_s: float = 15.0  # an idle keep-alive connection is closed after this
-    num_prepare_threads: int = 2  # threads that parse, render chat templates and tokenize
-    trust_chat_special_tokens: bool = False  # chat content may spell control tokens (trusted clients)
-    shutdown_grace_s: float = 30.0  # after SIGTERM, how long in-flight requests may take to finish
-
-    def __post_init__(self) -> None:
-        for name in ("max_queue_len", "max_body_bytes"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"ServerConfig.{name} must be a positive integer or None, got {value!r}")
-        for name, high in (("max_n", MAX_N), ("max_prompts", MAX_PROMPTS), ("num_prepare_threads", 64)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
-                raise ValueError(f"ServerConfig.{name} must be an integer in [1, {high}], got {value!r}")
-        for name in ("header_timeout_s", "body_timeout_s", "keepalive_timeout_s", "shutdown_grace_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-                raise ValueError(f"ServerConfig.{name} must be a number >= 0, got {value!r}")
-
-
-def _sse(payload: dict | str) -> str:
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {data}\n\n"
+# ServerConfig and the body limit live in server_config.py; serve.py and the tests import them here.
+__all__ = ["BODY_BYTES_BASE", "BODY_BYTES_PER_TOKEN", "OpenAIServer", "ServerConfig",
+           "default_body_limit", "run_server"]
 
 
 def _run_detached(fn, raw: bytes):
@@ -152,6 +108,7 @@ class OpenAIServer:
         self.metrics = ServerMetrics()
         self.async_engine = AsyncLLMEngine(engine, max_queue_len=config.max_queue_len, metrics=self.metrics)
         self.token_texts = TokenTexts(self.tokenizer)
+        self.writer = ResponseWriter(self.async_engine, self.token_texts)
         self.created = int(time.time())
         self.draining = False
         self.num_in_flight = 0
@@ -284,8 +241,8 @@ class OpenAIServer:
                 await self.async_engine.add_request(stream, f"{job.response_id}-{i}", ids, job.params,
                                                     group_id=job.response_id)
             if job.stream:
-                return await self._stream_response(request, job, stream)
-            return await self._whole_response(job, stream)
+                return await self.writer.stream_response(request, job, stream)
+            return await self.writer.whole_response(job, stream)
         except ValueError as exc:  # the engine rejected a prompt; a ParamError names its field
             raise ProtocolError(str(exc), param=getattr(exc, "param", None) or job.prompt_param) from None
         except EngineDeadError as exc:
@@ -295,114 +252,6 @@ class OpenAIServer:
             raise ProtocolError(str(exc), status=500, type="server_error") from None
         finally:
             stream.abort_unfinished()
-
-    def _failure(self, error: str) -> EngineError:
-        """The exception for a sequence the engine failed: EngineDeadError if the engine died."""
-        dead = self.async_engine.dead_reason
-        if dead is not None:
-            return EngineDeadError(f"the engine is dead: {dead} (this request: {error})")
-        return EngineError(f"engine error: {error}")
-
-    def _choice_index(self, job: Job, stream: RequestStream, request_id: str, sample_index: int) -> int:
-        return stream.request_ids.index(request_id) * job.params.n + sample_index
-
-    async def _whole_response(self, job: Job, stream: RequestStream) -> web.Response:
-        finals = {}
-        while not stream.done:
-            for request_id, output in (await stream.next_outputs()).items():
-                for completion in output.outputs:
-                    if getattr(completion, "error", None) is not None:
-                        raise self._failure(completion.error)
-                    finals[self._choice_index(job, stream, request_id, completion.index)] = completion
-        choices = []
-        for index in sorted(finals):
-            completion = finals[index]
-            cursor = ChoiceCursor()
-            delta = advance(cursor, completion)
-            num_top = job.params.logprobs
-            if job.chat:
-                logprobs = chat_logprobs(self.token_texts, delta, num_top) if job.chat_logprobs else None
-                choices.append(chat_message_choice(index, delta.text, logprobs, delta))
-            else:
-                text = delta.text
-                if job.echo_texts is not None:
-                    cursor.text_offset = len(job.echo_texts[index // job.params.n])
-                    text = job.echo_texts[index // job.params.n] + text
-                logprobs = completion_logprobs(self.token_texts, cursor, delta, num_top) if num_top is not None else None
-                choices.append(completion_choice(index, text, logprobs, delta))
-        num_generated = sum(len(c.token_ids) for c in finals.values())
-        body = envelope(job.response_id, "chat.completion" if job.chat else "text_completion", int(time.time()),
-                        job.model, choices, usage=usage(sum(map(len, job.prompt_ids)), num_generated))
-        return web.json_response(body)
-
-    async def _stream_response(self, request: web.Request, job: Job, stream: RequestStream) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                               "X-Accel-Buffering": "no"})
-        await response.prepare(request)
-        created = int(time.time())
-        obj = "chat.completion.chunk" if job.chat else "text_completion"
-        extra = {"usage": None} if job.include_usage else {}
-        chunk = lambda choices: _sse(envelope(job.response_id, obj, created, job.model, choices, **extra))
-        num_choices = len(job.prompt_ids) * job.params.n
-        cursors = {index: ChoiceCursor() for index in range(num_choices)}
-        num_generated: dict[int, int] = {}
-        try:
-            if job.chat:
-                first = [chat_chunk_choice(i, {"role": "assistant", "content": ""}, None, None) for i in range(num_choices)]
-                await response.write(chunk(first).encode())
-            elif job.echo_texts is not None:
-                for i in range(num_choices):
-                    cursors[i].text_offset = len(job.echo_texts[i // job.params.n])
-                echoed = [completion_choice(i, job.echo_texts[i // job.params.n], None, None) for i in range(num_choices)]
-                await response.write(chunk(echoed).encode())
-            failed = False
-            while not stream.done and not failed:
-                try:
-                    outputs = await stream.next_outputs()
-                except EngineError as exc:
-                    outputs, failed = {}, True
-                    status = 503 if isinstance(exc, EngineDeadError) else 500
-                    error = ProtocolError(str(exc), status=status, type="server_error")
-                    await response.write(_sse(error.to_dict()).encode())
-                parts = []
-                for request_id, output in outputs.items():
-                    for completion in output.outputs:
-                        if getattr(completion, "error", None) is not None and not failed:
-                            failed = True
-                            exc = self._failure(completion.error)
-                            status = 503 if isinstance(exc, EngineDeadError) else 500
-                            parts.append(_sse(ProtocolError(str(exc), status=status, type="server_error").to_dict()))
-                        if failed:
-                            continue
-                        index = self._choice_index(job, stream, request_id, completion.index)
-                        delta = advance(cursors[index], completion)
-                        if delta is None:
-                            continue
-                        if not delta.text and delta.finish_reason is None and job.params.logprobs is None:
-                            continue  # tokens whose text is not complete yet (a split UTF-8 character)
-                        num_generated[index] = len(completion.token_ids)
-                        parts.append(chunk([self._chunk_choice(job, index, cursors[index], delta)]))
-                if parts:
-                    await response.write("".join(parts).encode())
-            if job.include_usage and not failed:
-                prompt_tokens = sum(map(len, job.prompt_ids))
-                body = envelope(job.response_id, obj, created, job.model, [],
-                                usage=usage(prompt_tokens, sum(num_generated.values())))
-                await response.write(_sse(body).encode())
-            await response.write(_sse("[DONE]").encode())
-            await response.write_eof()
-        except ConnectionError:  # the client went away; _generate's finally aborts its requests
-            logger.info("client disconnected from %s", job.response_id)
-        return response
-
-    def _chunk_choice(self, job: Job, index: int, cursor: ChoiceCursor, delta) -> dict:
-        num_top = job.params.logprobs
-        if job.chat:
-            logprobs = chat_logprobs(self.token_texts, delta, num_top) if job.chat_logprobs and delta.token_ids else None
-            body = {"content": delta.text} if delta.text else {}
-            return chat_chunk_choice(index, body, logprobs, delta.finish_reason)
-        logprobs = completion_logprobs(self.token_texts, cursor, delta, num_top) if num_top is not None else None
-        return completion_choice(index, delta.text, logprobs, delta)
 
     # ---- lifecycle -------------------------------------------------------------------------
 

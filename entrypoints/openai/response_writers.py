@@ -1,0 +1,162 @@
+"""Writing one prepared request's answer from its engine outputs (`RequestStream`): whole, or as
+server-sent events.
+
+- Whole (`whole_response`): wait until every engine request of the HTTP request has finished,
+  then answer one JSON body, choices in order (prompt i's samples are choices i x n .. i x n +
+  n - 1) and the usage.
+- Streaming (`stream_response`): first the chat role (or, for completions with echo, the
+  prompts); then one chunk per choice whenever the engine produced new text (without logprobs,
+  tokens whose text is not complete yet, a split UTF-8 character, wait for the next); then the
+  usage if asked for, and `data: [DONE]`.
+- A sequence the engine failed (`CompletionOutput.error`, or an EngineError from the stream)
+  fails the HTTP request: an EngineError (EngineDeadError, so 503, once the engine is dead) for
+  a whole response, an error event in a stream. A client that goes away ends the stream quietly;
+  the handler then aborts what is unfinished.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from aiohttp import web
+
+from engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineError, RequestStream
+from entrypoints.openai.prepare import Job
+from entrypoints.openai.protocol import ProtocolError
+from entrypoints.openai.responses import (
+    ChoiceCursor,
+    TokenTexts,
+    advance,
+    chat_chunk_choice,
+    chat_logprobs,
+    chat_message_choice,
+    completion_choice,
+    completion_logprobs,
+    envelope,
+    usage,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def _sse(payload: dict | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+class ResponseWriter:
+    """Writes answers for one server; `async_engine` says whether a failure is the engine's death."""
+
+    def __init__(self, async_engine: AsyncLLMEngine, token_texts: TokenTexts):
+        self.async_engine = async_engine
+        self.token_texts = token_texts
+
+    def _failure(self, error: str) -> EngineError:
+        """The exception for a sequence the engine failed: EngineDeadError if the engine died."""
+        dead = self.async_engine.dead_reason
+        if dead is not None:
+            return EngineDeadError(f"the engine is dead: {dead} (this request: {error})")
+        return EngineError(f"engine error: {error}")
+
+    def _choice_index(self, job: Job, stream: RequestStream, request_id: str, sample_index: int) -> int:
+        return stream.request_ids.index(request_id) * job.params.n + sample_index
+
+    async def whole_response(self, job: Job, stream: RequestStream) -> web.Response:
+        finals = {}
+        while not stream.done:
+            for request_id, output in (await stream.next_outputs()).items():
+                for completion in output.outputs:
+                    if getattr(completion, "error", None) is not None:
+                        raise self._failure(completion.error)
+                    finals[self._choice_index(job, stream, request_id, completion.index)] = completion
+        choices = []
+        for index in sorted(finals):
+            completion = finals[index]
+            cursor = ChoiceCursor()
+            delta = advance(cursor, completion)
+            num_top = job.params.logprobs
+            if job.chat:
+                logprobs = chat_logprobs(self.token_texts, delta, num_top) if job.chat_logprobs else None
+                choices.append(chat_message_choice(index, delta.text, logprobs, delta))
+            else:
+                text = delta.text
+                if job.echo_texts is not None:
+                    cursor.text_offset = len(job.echo_texts[index // job.params.n])
+                    text = job.echo_texts[index // job.params.n] + text
+                logprobs = completion_logprobs(self.token_texts, cursor, delta, num_top) if num_top is not None else None
+                choices.append(completion_choice(index, text, logprobs, delta))
+        num_generated = sum(len(c.token_ids) for c in finals.values())
+        body = envelope(job.response_id, "chat.completion" if job.chat else "text_completion", int(time.time()),
+                        job.model, choices, usage=usage(sum(map(len, job.prompt_ids)), num_generated))
+        return web.json_response(body)
+
+    async def stream_response(self, request: web.Request, job: Job, stream: RequestStream) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                               "X-Accel-Buffering": "no"})
+        await response.prepare(request)
+        created = int(time.time())
+        obj = "chat.completion.chunk" if job.chat else "text_completion"
+        extra = {"usage": None} if job.include_usage else {}
+        chunk = lambda choices: _sse(envelope(job.response_id, obj, created, job.model, choices, **extra))
+        num_choices = len(job.prompt_ids) * job.params.n
+        cursors = {index: ChoiceCursor() for index in range(num_choices)}
+        num_generated: dict[int, int] = {}
+        try:
+            if job.chat:
+                first = [chat_chunk_choice(i, {"role": "assistant", "content": ""}, None, None) for i in range(num_choices)]
+                await response.write(chunk(first).encode())
+            elif job.echo_texts is not None:
+                for i in range(num_choices):
+                    cursors[i].text_offset = len(job.echo_texts[i // job.params.n])
+                echoed = [completion_choice(i, job.echo_texts[i // job.params.n], None, None) for i in range(num_choices)]
+                await response.write(chunk(echoed).encode())
+            failed = False
+            while not stream.done and not failed:
+                try:
+                    outputs = await stream.next_outputs()
+                except EngineError as exc:
+                    outputs, failed = {}, True
+                    status = 503 if isinstance(exc, EngineDeadError) else 500
+                    error = ProtocolError(str(exc), status=status, type="server_error")
+                    await response.write(_sse(error.to_dict()).encode())
+                parts = []
+                for request_id, output in outputs.items():
+                    for completion in output.outputs:
+                        if getattr(completion, "error", None) is not None and not failed:
+                            failed = True
+                            exc = self._failure(completion.error)
+                            status = 503 if isinstance(exc, EngineDeadError) else 500
+                            parts.append(_sse(ProtocolError(str(exc), status=status, type="server_error").to_dict()))
+                        if failed:
+                            continue
+                        index = self._choice_index(job, stream, request_id, completion.index)
+                        delta = advance(cursors[index], completion)
+                        if delta is None:
+                            continue
+                        if not delta.text and delta.finish_reason is None and job.params.logprobs is None:
+                            continue  # tokens whose text is not complete yet (a split UTF-8 character)
+                        num_generated[index] = len(completion.token_ids)
+                        parts.append(chunk([self._chunk_choice(job, index, cursors[index], delta)]))
+                if parts:
+                    await response.write("".join(parts).encode())
+            if job.include_usage and not failed:
+                prompt_tokens = sum(map(len, job.prompt_ids))
+                body = envelope(job.response_id, obj, created, job.model, [],
+                                usage=usage(prompt_tokens, sum(num_generated.values())))
+                await response.write(_sse(body).encode())
+            await response.write(_sse("[DONE]").encode())
+            await response.write_eof()
+        except ConnectionError:  # the client went away; _generate's finally aborts its requests
+            logger.info("client disconnected from %s", job.response_id)
+        return response
+
+    def _chunk_choice(self, job: Job, index: int, cursor: ChoiceCursor, delta) -> dict:
+        num_top = job.params.logprobs
+        if job.chat:
+            logprobs = chat_logprobs(self.token_texts, delta, num_top) if job.chat_logprobs and delta.token_ids else None
+            body = {"content": delta.text} if delta.text else {}
+            return chat_chunk_choice(index, body, logprobs, delta.finish_reason)
+        logprobs = completion_logprobs(self.token_texts, cursor, delta, num_top) if num_top is not None else None
+        return completion_choice(index, delta.text, logprobs, delta)
