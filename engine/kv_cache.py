@@ -6,6 +6,11 @@ model dtype; a layer's kernels index their layer in place (a Python int in the u
 loop, a traced index inside `lax.scan`), so no layer's cache is ever copied. Block 0 is the null
 block: the scheduler never hands it out, and padding tokens' slots and padded block-table entries
 point into it.
+
+On the xla attention path a 16-bit cache (bfloat16, float16) is allocated as uint16, its bits
+(`bits=True`): XLA:CPU cannot scatter bfloat16 and would otherwise convert (copy) the whole
+cache around every layer's write (pallas_kernels/kv_write.py). The Pallas kernels take the float
+cache.
 """
 
 from __future__ import annotations
@@ -43,6 +48,10 @@ def num_blocks_for(
     return max(2, min(budget // per_block, max_useful_blocks))
 
 
-def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: str) -> tuple:
+def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: str, *,
+                      bits: bool = False) -> tuple:
+    """Zeroed (k_cache, v_cache); bits=True stores a 16-bit dtype as uint16 (same bytes)."""
     shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    if bits and jnp.dtype(dtype).itemsize == 2:
+        dtype = jnp.uint16
     return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)

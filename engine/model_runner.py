@@ -18,6 +18,7 @@ The runner never calls the scheduler or the engine back: everything it needs is 
 from __future__ import annotations
 
 import functools
+import time
 
 import jax
 import numpy as np
@@ -29,7 +30,7 @@ from engine.request_table import RequestTable
 from engine.sampler import sample
 from engine.step_inputs import BatchBuilder, StepLayout
 from models.config import ModelConfig
-from models.llama import forward_paged, stack_layers
+from models.llama import forward_paged, fuse_projections, pack_layer_bits, stack_layers
 from scheduler import SchedulerOutput, StepResult, TokenLogprobs
 
 _compile_events = [0]
@@ -53,11 +54,14 @@ class ModelRunner:
                  attention_backend: str, interpret: bool = False, scan_layers: bool = False,
                  precompile: bool = True, progress: bool = True):
         self.model_config = model_config
-        self.params = stack_layers(params) if scan_layers else params
+        # Served layout (models/llama.py): q/k/v and gate/up fused into one product each; stacked
+        # 16-bit layers as their bits.
+        self.params = pack_layer_bits(fuse_projections(stack_layers(params) if scan_layers else params))
         self.scan_layers = scan_layers
         self.shapes = shapes
         self.dtype = dtype
-        self.kv_cache = allocate_kv_cache(model_config, shapes.num_blocks, shapes.block_size, dtype)
+        self.kv_cache = allocate_kv_cache(model_config, shapes.num_blocks, shapes.block_size, dtype,
+                                          bits=attention_backend == "xla")
         self.table = RequestTable(shapes.max_num_seqs, shapes.sample_vocab_size)
         self.builder = BatchBuilder(max_blocks_per_seq=shapes.max_blocks_per_seq,
                                     block_size=shapes.block_size)
@@ -67,6 +71,9 @@ class ModelRunner:
         self._compiled: dict[Bucket, object] = {}
         self.num_padded_tokens = 0  # padding tokens fed so far (for the padding share)
         self.num_real_tokens = 0
+        # A profiler (experiments/profile_step.py) sets this to get each step's phases timed;
+        # then the host waits for the transfer and the compute separately (None: no waiting).
+        self.profile = None
         if precompile:
             self.compile_all(progress=progress)
 
@@ -99,6 +106,8 @@ class ModelRunner:
         return self._compiled[bucket]
 
     def execute(self, out: SchedulerOutput) -> StepResult:
+        prof = self.profile
+        t0 = time.perf_counter() if prof is not None else 0.0
         self.table.apply(out)
         if out.is_empty:
             return StepResult([], [])
@@ -106,14 +115,29 @@ class ModelRunner:
         bucket = self.shapes.bucket_for(out.num_batched_tokens, len(out.scheduled), num_logits)
         built = self.builder.build(out, self._layout(bucket), self.table)
         executable = self._executable(bucket)
-        self.kv_cache, self.table.state, packed = executable(
-            self.params, self.kv_cache, self.table.state, jax.device_put(built.buffer))
+        if prof is not None:
+            t1 = time.perf_counter()
+            flat = jax.device_put(built.buffer).block_until_ready()
+            t2 = time.perf_counter()
+            self.kv_cache, self.table.state, packed = executable(
+                self.params, self.kv_cache, self.table.state, flat)
+            packed.block_until_ready()
+            t3 = time.perf_counter()
+        else:
+            self.kv_cache, self.table.state, packed = executable(
+                self.params, self.kv_cache, self.table.state, jax.device_put(built.buffer))
         host = np.asarray(jax.device_get(packed))
+        if prof is not None:
+            t4 = time.perf_counter()
         self.num_real_tokens += out.num_batched_tokens
         self.num_padded_tokens += bucket.padded_tokens - out.num_batched_tokens
         sampling = built.row_num_logits > 0
         self.table.commit(built.row_slots, built.row_num_logits)
-        return self._read_result(out, host, built.row_num_logits, built.row_slots, sampling)
+        result = self._read_result(out, host, built.row_num_logits, built.row_slots, sampling)
+        if prof is not None:
+            prof.record_runner(bucket, build=t1 - t0, h2d=t2 - t1, device=t3 - t2, d2h=t4 - t3,
+                               read=time.perf_counter() - t4)
+        return result
 
     def _read_result(self, out, host, row_num_logits, row_slots, sampling) -> StepResult:
         k = self.shapes.num_logprobs

@@ -7,14 +7,17 @@ For each dtype and each mode (scan_layers true / false) it builds one engine wit
 (rows...) and no persistent compilation cache, times the compilation of every bucket, then fills
 the batch with `rows` requests of `context` prompt tokens and times decode steps (medians of
 `--steps` steps of LLMEngine.step(), the whole step: schedule, inputs, device, update). Modes run
-back to back in one process, so their ratio is what to quote. Output: a markdown table and JSON
-in experiments/results/.
+back to back in one process, so their ratio is what to quote. It also reports the 1-row step's
+compiled temporary memory (`memory_analysis().temp_size_in_bytes`) against the KV cache's size:
+a step that copies the cache shows up there. Output: a markdown table and JSON in
+experiments/results/; progress goes to stderr as each measurement ends.
 """
 
 from __future__ import annotations
 
 import pathlib
 import statistics
+import sys
 import time
 
 from absl import app, flags
@@ -49,6 +52,11 @@ def measure(dtype: str, scan: bool, rows: list[int]) -> dict:
         t0 = time.perf_counter()
         engine.runner._executable(bucket)
         compile_s[bucket.padded_tokens] = time.perf_counter() - t0
+    smallest = engine.runner.shapes.buckets()[0]
+    temp_mb = engine.runner._executable(smallest).memory_analysis().temp_size_in_bytes / 1e6
+    cache_mb = sum(x.nbytes for x in engine.runner.kv_cache) / 1e6
+    _log(f"{dtype} scan={scan}: compiled {compile_s}; {smallest.padded_tokens}-token step temp "
+         f"{temp_mb:.1f} MB, cache {cache_mb:.1f} MB")
     step_ms = {}
     params = SamplingParams(temperature=0.0, max_tokens=_STEPS.value + 4, ignore_eos=True)
     vocab = engine.runner.sample_vocab_size
@@ -65,9 +73,15 @@ def measure(dtype: str, scan: bool, rows: list[int]) -> dict:
             engine.step()
             times.append(time.perf_counter() - t0)
         step_ms[n] = 1000 * statistics.median(times)
+        _log(f"{dtype} scan={scan}: {n} rows {step_ms[n]:.1f} ms per step")
         for i in range(n):
             engine.abort_request(f"r{n}-{i}")
-    return {"dtype": dtype, "scan_layers": scan, "compile_s": compile_s, "step_ms": step_ms}
+    return {"dtype": dtype, "scan_layers": scan, "compile_s": compile_s, "step_ms": step_ms,
+            "temp_mb_smallest_bucket": temp_mb, "kv_cache_mb": cache_mb}
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
 
 
 def main(argv):
@@ -75,12 +89,13 @@ def main(argv):
     rows = [int(r) for r in _ROWS.value]
     results = [measure(dtype, scan, rows) for dtype in _DTYPES.value for scan in (True, False)]
     lines = ["| dtype | layers | compile s per bucket (tokens: s) | " +
-             " | ".join(f"step ms, {n} rows" for n in rows) + " |",
-             "| --- | --- | --- | " + " | ".join("---" for _ in rows) + " |"]
+             " | ".join(f"step ms, {n} rows" for n in rows) + " | smallest step temp / cache MB |",
+             "| --- | --- | --- | " + " | ".join("---" for _ in rows) + " | --- |"]
     for r in results:
         compiles = ", ".join(f"{t}: {s:.1f}" for t, s in r["compile_s"].items())
         steps = " | ".join(f"{r['step_ms'][n]:.1f}" for n in rows)
-        lines.append(f"| {r['dtype']} | {'scan' if r['scan_layers'] else 'unrolled'} | {compiles} | {steps} |")
+        lines.append(f"| {r['dtype']} | {'scan' if r['scan_layers'] else 'unrolled'} | {compiles} | {steps} | "
+                     f"{r['temp_mb_smallest_bucket']:.0f} / {r['kv_cache_mb']:.0f} |")
     table = "\n".join(lines)
     print(table)
     out = pathlib.Path(__file__).resolve().parent / "results"

@@ -1,8 +1,11 @@
-"""Offline throughput: the engine with continuous batching against the same engine one request at a
-time, on ShareGPT prompts and output lengths, measured in one run.
+"""Offline throughput, two workloads, measured in one run.
 
     python -m experiments.bench_offline --num_prompts=200 --num_sequential=24
+    python -m experiments.bench_offline --dataset=fixed --num_requests=1,8,32 --output_len=128 \\
+        --dtypes=float32,bfloat16 [--profile]
 
+`--dataset=sharegpt` (the default): the engine with continuous batching against the same engine
+one request at a time, on ShareGPT prompts and output lengths.
 1. Load `num_prompts` ShareGPT conversations (prompt text, and the length of the reply as
    max_tokens, capped by --max_output_len; ignore_eos so every request produces exactly that).
 2. Build one engine (start-up compile time is reported), warm it up on one request.
@@ -12,6 +15,13 @@ time, on ShareGPT prompts and output lengths, measured in one run.
    sequential run would take hours on a 2-core CPU, and a rate over a prefix of the same mix is
    the comparable quantity.
 5. Report both rates, their ratio, the share of padded tokens per step, and write JSON.
+
+`--dataset=fixed`: 4 short chat prompts (37-40 tokens, FIXED_QUESTIONS) cycled to N requests,
+`--output_len` new tokens each, greedy, ignore_eos, all N submitted at once to `LLM.generate`;
+for every N and dtype the median output tokens/s of `--repeats` runs. The engines of all dtypes
+are built first and the runs interleave (N, repeat, dtype), so the dtypes share the machine's
+conditions. `--prompt_len=P` (> 0) cuts or repeats each prompt's ids to exactly P tokens.
+`--profile` adds the per-bucket step profile (experiments/step_profiler.py) of one more run per N.
 """
 
 from __future__ import annotations
@@ -19,18 +29,122 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import statistics
 import time
 
 from absl import app, flags
 
-_NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 200, "requests in the batched arm")
-_NUM_SEQUENTIAL = flags.DEFINE_integer("num_sequential", 24, "requests in the one-at-a-time arm (a prefix)")
-_MAX_PROMPT_LEN = flags.DEFINE_integer("max_prompt_len", 256, "drop ShareGPT prompts longer than this")
-_MAX_OUTPUT_LEN = flags.DEFINE_integer("max_output_len", 64, "cap on each reply's length")
+_DATASET = flags.DEFINE_enum("dataset", "sharegpt", ["sharegpt", "fixed"], "workload")
+_NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 200, "sharegpt: requests in the batched arm")
+_NUM_SEQUENTIAL = flags.DEFINE_integer("num_sequential", 24, "sharegpt: requests in the one-at-a-time arm (a prefix)")
+_MAX_PROMPT_LEN = flags.DEFINE_integer("max_prompt_len", 256, "sharegpt: drop prompts longer than this")
+_MAX_OUTPUT_LEN = flags.DEFINE_integer("max_output_len", 64, "sharegpt: cap on each reply's length")
+_NUM_REQUESTS = flags.DEFINE_list("num_requests", ["1", "8", "32"], "fixed: request counts N")
+_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 0, "fixed: 0 = the chat prompts as rendered")
+_OUTPUT_LEN = flags.DEFINE_integer("output_len", 128, "fixed: new tokens per request")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "fixed: runs per (N, dtype); the median is reported")
+_DTYPES = flags.DEFINE_list("dtypes", [], "fixed: dtypes to compare (default: the platform's)")
+_PROFILE = flags.DEFINE_boolean("profile", False, "also print the per-bucket step profile")
 _MODEL = flags.DEFINE_string("model", "default", "model spec")
-_MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 32, "batched arm's max_num_seqs")
+_MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 32, "max_num_seqs (batched arm / largest N)")
 _MAX_BATCHED = flags.DEFINE_integer("max_num_batched_tokens", 256, "token budget per step")
-_RESULT_JSON = flags.DEFINE_string("result_json", "experiments/results/bench_offline.json", "where to write")
+_TOKEN_BUCKETS = flags.DEFINE_list("token_buckets", [], "token buckets (default: 1,8,32,64,128,budget)")
+_SEQ_BUCKETS = flags.DEFINE_list("seq_buckets", [], "sequence buckets (default: 1,8,max_num_seqs)")
+_RESULT_JSON = flags.DEFINE_string("result_json", "", "where to write (default: experiments/results/bench_offline[_fixed].json)")
+
+# Short chat questions: rendered with SmolLM2's template they are 37, 38, 39 and 40 tokens.
+FIXED_QUESTIONS = (
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Give me a tip for learning to cook.",
+    "Explain in one short sentence how a rainbow forms.",
+)
+
+
+def build_llm(dtype: str | None, *, max_num_seqs: int | None = None):
+    from engine import LLM
+
+    seqs = max_num_seqs or _MAX_NUM_SEQS.value
+    budget = _MAX_BATCHED.value
+    # A 1-token bucket keeps the one-at-a-time arm honest: on the CPU a step costs what its
+    # padded token count costs, so padding a lone decode to 8 tokens would slow the baseline.
+    tokens = tuple(int(t) for t in _TOKEN_BUCKETS.value) or tuple(sorted({1, 8, 32, 64, 128, budget}))
+    seq_buckets = tuple(int(s) for s in _SEQ_BUCKETS.value) or tuple(sorted({1, 8, seqs}))
+    return LLM(model=_MODEL.value, dtype=dtype, max_num_seqs=seqs, max_num_batched_tokens=budget,
+               max_model_len=1024, token_buckets=tokens, seq_buckets=seq_buckets, progress=False)
+
+
+def fixed_prompts(tokenizer, num_requests: int, prompt_len: int = 0) -> list[list[int]]:
+    """The FIXED_QUESTIONS as chat prompts (token ids), cycled to num_requests."""
+    base = []
+    for q in FIXED_QUESTIONS:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if prompt_len > 0:
+            ids = (ids * (-(-prompt_len // len(ids))))[:prompt_len]
+        base.append(ids)
+    return [base[i % len(base)] for i in range(num_requests)]
+
+
+def run_generate(llm, prompts, output_len: int) -> dict:
+    from engine import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"output_tokens": tokens, "seconds": seconds, "output_tokens_per_s": tokens / seconds}
+
+
+def main_fixed() -> dict:
+    from experiments.step_profiler import StepProfiler
+
+    counts = [int(n) for n in _NUM_REQUESTS.value]
+    dtypes = _DTYPES.value or [None]
+    llms = {}
+    for dtype in dtypes:
+        t0 = time.perf_counter()
+        llm = build_llm(dtype, max_num_seqs=max(_MAX_NUM_SEQS.value, max(counts)))
+        llms[llm.engine.dtype] = llm
+        print(f"{llm.engine.dtype}: start-up {time.perf_counter() - t0:.1f}s "
+              f"(compile {llm.engine.compile_seconds:.1f}s)", flush=True)
+    for llm in llms.values():
+        run_generate(llm, fixed_prompts(llm.engine.tokenizer, 2, _PROMPT_LEN.value), 4)  # warm-up
+    compiles_before = {d: llm.engine.get_stats().num_compilations for d, llm in llms.items()}
+    runs = {(d, n): [] for d in llms for n in counts}
+    for n in counts:
+        for _ in range(_REPEATS.value):
+            for d, llm in llms.items():
+                r = run_generate(llm, fixed_prompts(llm.engine.tokenizer, n, _PROMPT_LEN.value), _OUTPUT_LEN.value)
+                runs[d, n].append(r["output_tokens_per_s"])
+        print(f"N={n}: " + ", ".join(f"{d} {statistics.median(runs[d, n]):.1f} tok/s "
+                                     f"({', '.join(f'{x:.1f}' for x in runs[d, n])})" for d in llms), flush=True)
+    result = {"command": "python -m experiments.bench_offline " + _flags_line(
+        "dataset", "num_requests", "prompt_len", "output_len", "repeats", "dtypes", "max_num_seqs",
+        "max_num_batched_tokens", "token_buckets", "seq_buckets"),
+        "platform": _platform(), "model": next(iter(llms.values())).engine.model_name,
+        "median_output_tokens_per_s": {d: {n: statistics.median(runs[d, n]) for n in counts} for d in llms},
+        "runs": {f"{d}/{n}": v for (d, n), v in runs.items()},
+        "compilations_during_runs": {d: llm.engine.get_stats().num_compilations - compiles_before[d]
+                                     for d, llm in llms.items()}}
+    print("| dtype | " + " | ".join(f"N={n}" for n in counts) + " |")
+    print("| --- |" + " --- |" * len(counts))
+    for d in llms:
+        print(f"| {d} | " + " | ".join(f"{result['median_output_tokens_per_s'][d][n]:.1f}" for n in counts) + " |")
+    print(f"compilations during the runs: {result['compilations_during_runs']}")
+    if _PROFILE.value:
+        result["profile"] = {}
+        for d, llm in llms.items():
+            for n in counts:
+                profiler = StepProfiler().attach(llm.engine)
+                run_generate(llm, fixed_prompts(llm.engine.tokenizer, n, _PROMPT_LEN.value), _OUTPUT_LEN.value)
+                del llm.engine.step  # detach: back to the class's step
+                llm.engine.runner.profile = None
+                print(f"\nprofile: {d}, N={n} x {_OUTPUT_LEN.value} tokens (medians, ms)")
+                print(profiler.table())
+                result["profile"][f"{d}/{n}"] = profiler.rows()
+    return result
 
 
 def run_arm(engine, samples, params_for) -> dict:
@@ -49,19 +163,13 @@ def run_arm(engine, samples, params_for) -> dict:
             "output_tokens_per_s": tokens / seconds, "steps": engine.get_stats().num_steps - start_steps}
 
 
-def main(argv) -> None:
-    del argv
-    from engine import EngineConfig, SamplingParams
-    from engine.llm_engine import LLMEngine
+def main_sharegpt() -> dict:
+    from engine import SamplingParams
     from experiments.datasets import DatasetOptions, build_samples
+    from experiments.step_profiler import StepProfiler
 
     t0 = time.perf_counter()
-    engine = LLMEngine(EngineConfig(
-        model=_MODEL.value, max_num_seqs=_MAX_NUM_SEQS.value,
-        max_num_batched_tokens=_MAX_BATCHED.value, max_model_len=1024,
-        # A 1-token bucket keeps the one-at-a-time arm honest: on the CPU a step costs what its
-        # padded token count costs, so padding a lone decode to 8 tokens would slow the baseline.
-        token_buckets=(1, 8, 32, 64, 128, _MAX_BATCHED.value), seq_buckets=(1, 8, _MAX_NUM_SEQS.value)))
+    engine = build_llm((_DTYPES.value or [None])[0]).engine
     startup = time.perf_counter() - t0
     options = DatasetOptions(dataset="sharegpt", num_prompts=_NUM_PROMPTS.value,
                              max_prompt_len=_MAX_PROMPT_LEN.value, max_output_len=_MAX_OUTPUT_LEN.value,
@@ -73,6 +181,7 @@ def main(argv) -> None:
     run_arm(engine, samples[:1], params_for)  # warm-up: first-touch costs out of the measurement
     compiles_before = engine.get_stats().num_compilations
     padded_before = (engine.runner.num_padded_tokens, engine.runner.num_real_tokens)
+    profiler = StepProfiler().attach(engine) if _PROFILE.value else None
     batched = run_arm(engine, samples, params_for)
     pad = engine.runner.num_padded_tokens - padded_before[0]
     real = engine.runner.num_real_tokens - padded_before[1]
@@ -81,9 +190,9 @@ def main(argv) -> None:
     sequential = run_arm(engine, samples[: _NUM_SEQUENTIAL.value], params_for)
     engine.reconfigure_scheduler(max_num_seqs=_MAX_NUM_SEQS.value)
     result = {
-        "command": "python -m experiments.bench_offline " + " ".join(
-            f"--{f}={flags.FLAGS[f].value}" for f in ("num_prompts", "num_sequential", "max_prompt_len",
-                                                      "max_output_len", "max_num_seqs", "max_num_batched_tokens")),
+        "command": "python -m experiments.bench_offline " + _flags_line(
+            "num_prompts", "num_sequential", "max_prompt_len", "max_output_len", "max_num_seqs",
+            "max_num_batched_tokens"),
         "model": engine.model_name, "dtype": engine.dtype, "platform": _platform(),
         "startup_seconds": startup, "load_seconds": engine.load_seconds,
         "compile_seconds": engine.compile_seconds, "buckets": [dataclasses.astuple(b) for b in engine.runner.shapes.buckets()],
@@ -102,9 +211,31 @@ def main(argv) -> None:
               f"= {r['output_tokens_per_s']:7.1f} tok/s over {r['steps']} steps")
     print(f"speedup {result['speedup']:.2f}x; padded token share (batched) {batched['padded_token_share']:.1%}; "
           f"compilations during the runs: {result['compilations_during_runs']}")
-    os.makedirs(os.path.dirname(_RESULT_JSON.value) or ".", exist_ok=True)
-    with open(_RESULT_JSON.value, "w") as f:
-        json.dump(result, f, indent=1)
+    if profiler is not None:
+        print("\nprofile, both arms (medians, ms)")
+        print(profiler.table())
+        result["profile"] = profiler.rows()
+    return result
+
+
+def main(argv) -> None:
+    del argv
+    result = main_fixed() if _DATASET.value == "fixed" else main_sharegpt()
+    path = _RESULT_JSON.value or ("experiments/results/bench_offline_fixed.json" if _DATASET.value == "fixed"
+                                  else "experiments/results/bench_offline.json")
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+
+
+def _flags_line(*names: str) -> str:
+    parts = []
+    for name in names:
+        value = flags.FLAGS[name].value
+        if isinstance(value, list):
+            value = ",".join(value)
+        parts.append(f"--{name}={value}")
+    return " ".join(parts)
 
 
 def _platform() -> str:

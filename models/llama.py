@@ -12,6 +12,17 @@ Parameters (a plain dict pytree):
     the layer loop) or one dict of the same names stacked on a leading layer axis [n, ...]
     (`stack_layers`; the step is a `lax.scan` over layers, which compiles once per bucket
     whatever the depth).
+    A stacked 16-bit model may hold its layers as uint16 bits (`pack_layer_bits`, what the runner
+    serves; read as the embedding's dtype).
+    Fused layout (`fuse_projections`, what the runner serves): wqkv [e, h + 2k, d] (q heads,
+    then k, then v; bqkv [h + 2k, d]) and w_gate_up [e, 2, f] replace wq/wk/wv and
+    w_gate/w_up, so a layer makes one input product for attention and one for the MLP. Every
+    function here takes either layout.
+
+Numerics: the residual stream, the norms, RoPE and softmax are float32 whatever the weights'
+dtype; each projection casts its input to the weights' dtype and accumulates in float32
+(`preferred_element_type`), so bfloat16 weights cost half the bytes and no precision in the
+accumulation. q, k, v are rounded to the KV cache's dtype, as the cache stores them.
 
 Two attention paths share every other piece of the model:
 1. `forward_dense(params, config, token_ids)`: one sequence, causal attention over its own K/V,
@@ -33,6 +44,7 @@ import numpy as np
 
 from models.config import ModelConfig
 from pallas_kernels import prepare_attention_metadata, ragged_paged_attention, write_kv
+from pallas_kernels.kv_write import as_bits, from_bits
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
@@ -75,25 +87,51 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
 
 
-def _qkv(layer: dict, h: jax.Array, positions: jax.Array, inv_freq: jax.Array):
-    q = jnp.einsum("te,ehd->thd", h, layer["wq"])
-    k = jnp.einsum("te,ekd->tkd", h, layer["wk"])
-    v = jnp.einsum("te,ekd->tkd", h, layer["wv"])
-    if "bq" in layer:
-        q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
-    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+def _proj(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [t, ...] times a weight: x cast to the weight's dtype, accumulated and returned in f32."""
+    x = x.astype(w.dtype)
+    pad = x.shape[0] == 1 and w.dtype == jnp.bfloat16 and jax.default_backend() == "cpu"
+    if pad:
+        # XLA:CPU runs a one-row bfloat16 product through a slow path (tens of times slower
+        # than two rows, BUILD_NOTES.md): a zero second row keeps it on the fast one.
+        x = jnp.concatenate([x, jnp.zeros_like(x)])
+    out = jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
+    return out[:1] if pad else out
+
+
+def _qkv(layer: dict, h: jax.Array, positions: jax.Array, inv_freq: jax.Array, config: ModelConfig,
+         kv_dtype):
+    """q [t, h, d], k, v [t, k, d] in kv_dtype, RoPE applied (in float32) to q and k."""
+    if "wqkv" in layer:
+        qkv = _proj("te,end->tnd", h, layer["wqkv"])
+        if "bqkv" in layer:
+            qkv = qkv + layer["bqkv"].astype(jnp.float32)
+        num_q = config.num_heads
+        q, k, v = jnp.split(qkv, [num_q, num_q + config.num_kv_heads], axis=1)
+    else:
+        q = _proj("te,ehd->thd", h, layer["wq"])
+        k = _proj("te,ekd->tkd", h, layer["wk"])
+        v = _proj("te,ekd->tkd", h, layer["wv"])
+        if "bq" in layer:
+            q, k, v = (x + layer[b].astype(jnp.float32) for x, b in ((q, "bq"), (k, "bk"), (v, "bv")))
+    q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+    return q.astype(kv_dtype), k.astype(kv_dtype), v.astype(kv_dtype)
 
 
 def _mlp(layer: dict, h: jax.Array) -> jax.Array:
-    gate = jnp.einsum("te,ef->tf", h, layer["w_gate"])
-    up = jnp.einsum("te,ef->tf", h, layer["w_up"])
-    return jnp.einsum("tf,fe->te", jax.nn.silu(gate) * up, layer["w_down"])
+    if "w_gate_up" in layer:
+        gate_up = _proj("te,ecf->tcf", h, layer["w_gate_up"])
+        gate, up = gate_up[:, 0], gate_up[:, 1]
+    else:
+        gate = _proj("te,ef->tf", h, layer["w_gate"])
+        up = _proj("te,ef->tf", h, layer["w_up"])
+    return _proj("tf,fe->te", jax.nn.silu(gate) * up, layer["w_down"])
 
 
 def _logits(params: dict, h: jax.Array) -> jax.Array:
     if "lm_head" in params:
-        return jnp.einsum("te,ev->tv", h, params["lm_head"], preferred_element_type=jnp.float32)
-    return jnp.einsum("te,ve->tv", h, params["embed"], preferred_element_type=jnp.float32)
+        return _proj("te,ev->tv", h, params["lm_head"])
+    return _proj("te,ve->tv", h, params["embed"])
 
 
 def dense_causal_attention(q, k, v, sm_scale: float, sliding_window: int | None = None):
@@ -112,6 +150,12 @@ def dense_causal_attention(q, k, v, sm_scale: float, sliding_window: int | None 
     return out.reshape(t, num_heads, d).astype(q.dtype)
 
 
+def embed_tokens(embed: jax.Array, token_ids: jax.Array) -> jax.Array:
+    """Rows of the embedding table as float32, gathered as bits: XLA:CPU would convert a whole
+    16-bit table to float32 every step to gather from it."""
+    return from_bits(as_bits(embed)[token_ids], embed.dtype).astype(jnp.float32)
+
+
 def stack_layers(params: dict) -> dict:
     """The per-layer list of parameter dicts as one dict of arrays stacked on a layer axis."""
     layers = params["layers"]
@@ -121,9 +165,42 @@ def stack_layers(params: dict) -> dict:
     return {**params, "layers": stacked}
 
 
+def fuse_projections(params: dict) -> dict:
+    """wq/wk/wv -> wqkv [(n,) e, h + 2k, d] and w_gate/w_up -> w_gate_up [(n,) e, 2, f], for a
+    list of layers or stacked ones; the loaders' separate layout goes in, both stay valid."""
+
+    def fuse(layer: dict) -> dict:
+        if "wqkv" in layer:
+            return layer
+        out = {k: v for k, v in layer.items() if k not in ("wq", "wk", "wv", "w_gate", "w_up", "bq", "bk", "bv")}
+        out["wqkv"] = jnp.concatenate([layer["wq"], layer["wk"], layer["wv"]], axis=-2)
+        out["w_gate_up"] = jnp.stack([layer["w_gate"], layer["w_up"]], axis=-2)
+        if "bq" in layer:
+            out["bqkv"] = jnp.concatenate([layer["bq"], layer["bk"], layer["bv"]], axis=-2)
+        return out
+
+    layers = params["layers"]
+    return {**params, "layers": [fuse(x) for x in layers] if isinstance(layers, list) else fuse(layers)}
+
+
+def pack_layer_bits(params: dict) -> dict:
+    """Stacked 16-bit layer weights stored as their bits (uint16; `unpack_layer` reads them as the
+    embedding's dtype). Under lax.scan XLA:CPU would otherwise convert every stacked bfloat16
+    weight to float32 outside the loop, every step, only to slice one layer of it."""
+    layers = params["layers"]
+    if isinstance(layers, list):
+        return params
+    return {**params, "layers": {name: as_bits(w) for name, w in layers.items()}}
+
+
+def unpack_layer(layer: dict, dtype) -> dict:
+    """One layer's weights back from bits (inside the scan body, after the slice: free)."""
+    return {name: from_bits(w, dtype) if w.dtype == jnp.uint16 else w for name, w in layer.items()}
+
+
 def num_layers_of(params: dict) -> int:
     layers = params["layers"]
-    return len(layers) if isinstance(layers, list) else layers["wq"].shape[0]
+    return len(layers) if isinstance(layers, list) else layers["attn_norm"].shape[0]
 
 
 def forward_dense(params: dict, config: ModelConfig, token_ids: jax.Array) -> jax.Array:
@@ -135,19 +212,23 @@ def forward_dense(params: dict, config: ModelConfig, token_ids: jax.Array) -> ja
     positions = jnp.arange(token_ids.shape[0], dtype=jnp.int32)
     sm_scale = 1.0 / math.sqrt(config.head_dim)
 
+    kv_dtype = params["embed"].dtype
+
     def layer_step(x, layer):
         h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
-        q, k, v = _qkv(layer, h, positions, inv_freq)
+        q, k, v = _qkv(layer, h, positions, inv_freq, config, kv_dtype)
         attn = dense_causal_attention(q, k, v, sm_scale, config.sliding_window)
-        x = x + jnp.einsum("thd,hde->te", attn, layer["wo"])
+        x = x + _proj("thd,hde->te", attn, layer["wo"])
         return x + _mlp(layer, rms_norm(x, layer["mlp_norm"], config.rms_norm_eps))
 
-    x = params["embed"][token_ids]
+    x = embed_tokens(params["embed"], token_ids)
     if isinstance(params["layers"], list):
         for layer in params["layers"]:
             x = layer_step(x, layer)
     else:
-        x, _ = jax.lax.scan(lambda x, layer: (layer_step(x, layer), None), x, params["layers"])
+        dtype = params["embed"].dtype
+        x, _ = jax.lax.scan(lambda x, layer: (layer_step(x, unpack_layer(layer, dtype)), None), x,
+                            params["layers"])
     return _logits(params, rms_norm(x, params["final_norm"], config.rms_norm_eps))
 
 
@@ -163,7 +244,8 @@ def forward_paged(
     """One step over a ragged batch; returns ((k_cache, v_cache), logits [L, v] float32).
 
     `kv_cache` is (k_cache, v_cache), each [num_layers, num_blocks, block_size, k, d]
-    (engine/kv_cache.py). `batch` has the StepInputs fields: input_ids [T], positions [T],
+    (engine/kv_cache.py), in the model dtype or, for a 16-bit model on the xla path, uint16
+    holding its bits (pallas_kernels/kv_write.py). `batch` has the StepInputs fields: input_ids [T], positions [T],
     slot_mapping [T], query_start_loc [S+1], seq_lens [S], block_tables [S, max_blocks_per_seq],
     num_seqs [], logits_indices [L] (see engine/step_inputs.py). A stacked `params["layers"]`
     runs the layers as a lax.scan with the cache in the carry; a list unrolls them.
@@ -177,18 +259,20 @@ def forward_paged(
         block_size=kv_cache[0].shape[2], backend=attention_backend,
         sliding_window=config.sliding_window, head_dim=config.head_dim)
 
+    kv_dtype = kv_cache[0].dtype if kv_cache[0].dtype != jnp.uint16 else params["embed"].dtype
+
     def layer_step(x, k_cache, v_cache, layer, index):
         h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
-        q, k, v = _qkv(layer, h, batch.positions, inv_freq)
+        q, k, v = _qkv(layer, h, batch.positions, inv_freq, config, kv_dtype)
         k_cache, v_cache = write_kv(k_cache, v_cache, k, v, batch.slot_mapping, layer=index)
         attn = ragged_paged_attention(
             q, k_cache, v_cache, md, layer=index, sm_scale=sm_scale,
             sliding_window=config.sliding_window, backend=attention_backend, interpret=interpret)
-        x = x + jnp.einsum("thd,hde->te", attn, layer["wo"])
+        x = x + _proj("thd,hde->te", attn, layer["wo"])
         x = x + _mlp(layer, rms_norm(x, layer["mlp_norm"], config.rms_norm_eps))
         return x, k_cache, v_cache
 
-    x = params["embed"][batch.input_ids]
+    x = embed_tokens(params["embed"], batch.input_ids)
     k_cache, v_cache = kv_cache
     layers = params["layers"]
     if isinstance(layers, list):
@@ -197,7 +281,7 @@ def forward_paged(
     else:
         def body(carry, xs):
             layer, index = xs
-            return layer_step(*carry, layer, index), None
+            return layer_step(*carry, unpack_layer(layer, params["embed"].dtype), index), None
 
         indices = jnp.arange(num_layers_of(params), dtype=jnp.int32)
         (x, k_cache, v_cache), _ = jax.lax.scan(body, (x, k_cache, v_cache), (layers, indices))

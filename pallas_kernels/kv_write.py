@@ -15,11 +15,34 @@ live block). The engine points padding tokens into the null block 0; dropping ou
 is the second line of defence. Call it inside a jit that donates the cache (or on a lax.scan
 carry) so XLA updates the buffers in place (tests/pallas_kernels/test_kv_write.py checks that no
 copy is made, for a static and for a traced layer).
+
+A 16-bit float cache (bfloat16, float16) is scattered as its bits (`as_bits`, uint16): XLA:CPU
+has no bfloat16 scatter and otherwise converts the whole stacked cache to float32 and back
+around it, in every layer (about a second per layer for the default model). A cache may also BE
+those bits (uint16; the runner keeps the xla path's 16-bit cache so, since XLA:CPU copies the
+whole cache to turn a scattered uint16 array back into bfloat16): then k and v must be the 16-bit
+float type whose bits it holds, and only their bits are stored.
 """
 
+import jax
 import jax.numpy as jnp
 
 from pallas_kernels import validation
+
+_BITS = {2: jnp.uint16}
+
+
+def as_bits(x):
+    """A 16-bit float array as uint16 (a free bitcast); other dtypes unchanged."""
+    x = jnp.asarray(x)
+    if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize in _BITS:
+        return jax.lax.bitcast_convert_type(x, _BITS[x.dtype.itemsize])
+    return x
+
+
+def from_bits(x, dtype):
+    """Undoes as_bits for an array that was `dtype`."""
+    return x if x.dtype == jnp.dtype(dtype) else jax.lax.bitcast_convert_type(x, dtype)
 
 
 def write_kv(k_cache, v_cache, k, v, slot_mapping, layer=None):
@@ -34,6 +57,9 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping, layer=None):
             f"{tuple(k_cache.shape)}; got k{tuple(k.shape)}, v{tuple(v.shape)}, "
             f"slot_mapping{tuple(slot_mapping.shape)}"
         )
+    if k_cache.dtype == jnp.uint16:
+        validation.check_bits_values(k, "k")
+        validation.check_bits_values(v, "v", "v_cache")
     if not jnp.issubdtype(slot_mapping.dtype, jnp.integer):
         raise ValueError(f"slot_mapping must be integer; got dtype {slot_mapping.dtype}")
     layer_slots = cache.num_blocks * cache.block_size
@@ -50,6 +76,10 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping, layer=None):
         rows = jnp.concatenate([rows, jnp.full((1,), total_slots, jnp.int32)])
         k, v = (jnp.concatenate([x, jnp.zeros_like(x)]) for x in (k, v))
     flat_shape = (total_slots, cache.num_kv_heads, cache.head_dim)
-    k_flat = k_cache.reshape(flat_shape).at[rows].set(k.astype(k_cache.dtype), mode="drop")
-    v_flat = v_cache.reshape(flat_shape).at[rows].set(v.astype(v_cache.dtype), mode="drop")
-    return k_flat.reshape(k_cache.shape), v_flat.reshape(v_cache.shape)
+
+    def scatter(c, x):
+        x = x if c.dtype == jnp.uint16 else x.astype(c.dtype)
+        bits = as_bits(c).reshape(flat_shape).at[rows].set(as_bits(x), mode="drop")
+        return from_bits(bits.reshape(c.shape), c.dtype)
+
+    return scatter(k_cache, k), scatter(v_cache, v)

@@ -157,9 +157,11 @@ def check_cache(k_cache, v_cache, layer, *, k_name="k_cache", v_name="v_cache") 
             f"{v_name} must match {k_name} in shape and dtype; got {shapes}, dtypes "
             f"{k_name}={jnp.result_type(k_cache)} {v_name}={jnp.result_type(v_cache)}"
         )
-    if not jnp.issubdtype(jnp.result_type(k_cache), jnp.floating):
+    dtype = jnp.result_type(k_cache)
+    if not (jnp.issubdtype(dtype, jnp.floating) or dtype == jnp.uint16):
         raise ValueError(
-            f"{k_name} must be floating point; got dtype {jnp.result_type(k_cache)} ({shapes})"
+            f"{k_name} must be floating point (or uint16: the bits of a 16-bit float cache); "
+            f"got dtype {dtype} ({shapes})"
         )
     ndim = np.ndim(k_cache)
     if ndim == 4:
@@ -191,6 +193,17 @@ def check_cache(k_cache, v_cache, layer, *, k_name="k_cache", v_name="v_cache") 
     return CacheShapes(*np.shape(k_cache))
 
 
+def check_bits_values(x, name: str, cache_name: str = "k_cache") -> None:
+    """A uint16 cache holds the bits of a 16-bit float cache: what is written to it or read with
+    it (k and v, q) must be that 16-bit float type."""
+    dtype = jnp.result_type(x)
+    if not (jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize == 2):
+        raise ValueError(
+            f"a uint16 {cache_name} holds the bits of a bfloat16/float16 cache: {name} must be "
+            f"bfloat16 or float16; got {dtype}"
+        )
+
+
 def stacked_view(cache, cache_shapes: CacheShapes):
     """The cache as [L, num_blocks, block_size, Hkv, D]: a free reshape (bitcast) of a 4-D cache."""
     return jnp.reshape(cache, cache_shapes.stacked_shape)
@@ -211,6 +224,8 @@ def check_layer_inputs(q, k_cache, v_cache, md, layer, backend) -> CacheShapes:
         raise ValueError(f"md was prepared for backend {md.backend!r}; got backend={backend!r}")
     cache = check_cache(k_cache, v_cache, layer)
     shapes = _shape_str(q=q, k_cache=k_cache, v_cache=v_cache)
+    if jnp.result_type(k_cache) == jnp.uint16 and backend != "xla":
+        raise ValueError(f"a uint16 (bits) cache is the xla path's; {backend} takes the float cache ({shapes})")
     if np.ndim(q) != 3:
         raise ValueError(f"q must be [T, num_q_heads, head_dim]; got {shapes}")
     if not jnp.issubdtype(jnp.result_type(q), jnp.floating):

@@ -17,6 +17,9 @@ Walkthrough of one layer's call:
      sequence, [NB, pages_per_step * block_size, Hkv, D], straight from the stacked cache viewed
      as [L * num_blocks, block_size, Hkv, D] (a bitcast) at rows layer * num_blocks + page id:
      no per-layer slice or copy of the cache, and the whole context is never materialized.
+     A 16-bit cache is gathered as its bits (kv_write.as_bits; XLA:CPU would otherwise convert
+     the whole cache to float32 to gather from it) and converted after the gather; a uint16
+     cache (the bits of a 16-bit cache, kv_write.py) is read as q's dtype.
   3. Online softmax in float32 (running max m, sum denom, accumulator acc), masked causally by
      position, by the sliding window, and to the block's real rows.
   4. out = acc / l, gathered back to [T, Hq, D]; padding tokens get zeros.
@@ -26,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import metadata, validation
+from pallas_kernels.kv_write import as_bits, from_bits
 
 
 def choose_pages_per_step(block_size: int, max_blocks_per_seq: int) -> int:
@@ -94,8 +98,12 @@ def ragged_paged_attention_xla(
     blocks = md.blocks
     # All layers' pages as rows of one array: free views, never a copy of the cache.
     page_shape = (cache.num_layers * num_blocks, md.block_size, Hkv, D)
-    k_pages = jnp.reshape(k_cache, page_shape)
-    v_pages = jnp.reshape(v_cache, page_shape)
+    k_pages = jnp.reshape(as_bits(k_cache), page_shape)
+    v_pages = jnp.reshape(as_bits(v_cache), page_shape)
+    cache_dtype = jnp.asarray(k_cache).dtype
+    if cache_dtype == jnp.uint16:
+        validation.check_bits_values(q, "q")
+        cache_dtype = q.dtype
     page_base = validation.layer_index(layer) * num_blocks  # int (static) or int32[] (traced)
 
     qb = metadata.gather_query_blocks(q, blocks, block_q=bq)  # [NB, bq, Hq, D]
@@ -108,8 +116,8 @@ def ragged_paged_attention_xla(
         m, denom, acc = carry
         ids = jax.lax.dynamic_slice_in_dim(md.tables, step * pps, pps, axis=1)  # [NB, pps]
         ids = ids + page_base
-        k = k_pages[ids].reshape(nb, kv_step, Hkv, D).astype(jnp.float32)
-        v = v_pages[ids].reshape(nb, kv_step, Hkv, D).astype(jnp.float32)
+        k = from_bits(k_pages[ids], cache_dtype).reshape(nb, kv_step, Hkv, D).astype(jnp.float32)
+        v = from_bits(v_pages[ids], cache_dtype).reshape(nb, kv_step, Hkv, D).astype(jnp.float32)
         s = jnp.einsum("nqhgd,nkhd->nqhgk", qb, k)  # [NB, bq, Hkv, G, kv_step]
         if soft_cap is not None:
             s = jnp.float32(soft_cap) * jnp.tanh(s / jnp.float32(soft_cap))

@@ -1,5 +1,6 @@
 """Paged prefill in chunks, then decode, for several sequences at once, equals the dense oracle,
-with the layer loop unrolled and as a lax.scan over stacked layers."""
+with the layer loop unrolled and as a lax.scan over stacked layers, and with the runner's fused
+q/k/v and gate/up projections (the oracle keeps the loaders' separate layout)."""
 
 import dataclasses
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 
 from models.config import preset_config
-from models.llama import forward_dense, forward_paged, stack_layers
+from models.llama import forward_dense, forward_paged, fuse_projections, stack_layers
 from models.random_weights import random_params
 from tests.models.paged_batch import make_batch
 
@@ -28,10 +29,11 @@ def _config(num_heads, num_kv_heads, **extra):
                                                  "tie_word_embeddings": False})],
     ids=["gqa1", "gqa3", "gqa4", "qwen2-bias-untied"],
 )
-@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan"])
-def test_chunked_prefill_then_decode_matches_dense(num_heads, num_kv_heads, extra, scan):
+@pytest.mark.parametrize("scan,fused", [(False, False), (True, False), (True, True), (False, True)],
+                         ids=["unrolled", "scan", "scan-fused", "unrolled-fused"])
+def test_chunked_prefill_then_decode_matches_dense(num_heads, num_kv_heads, extra, scan, fused):
     config = _config(num_heads, num_kv_heads, **extra)
-    params = random_params(config, seed=1)
+    params = dense_params = random_params(config, seed=1)
     rng = np.random.default_rng(0)
     lengths = [37, 16, 5, 50]  # partial last blocks, an exact block, a short one
     seqs = [rng.integers(0, config.vocab_size, n + 4).tolist() for n in lengths]
@@ -44,6 +46,9 @@ def test_chunked_prefill_then_decode_matches_dense(num_heads, num_kv_heads, extr
                         config.head_dim)),) * 2
     if scan:
         params = stack_layers(params)
+    if fused:
+        params = fuse_projections(params)
+        assert "wqkv" in (params["layers"] if scan else params["layers"][0])
     step = jax.jit(lambda p, c, b: forward_paged(p, config, c, b))
     # Prefill each prompt in chunks of up to 20 tokens, all sequences in one ragged batch per step.
     done = [0] * len(seqs)
@@ -59,7 +64,7 @@ def test_chunked_prefill_then_decode_matches_dense(num_heads, num_kv_heads, extr
             done[i] += len(chunks[row][0])
             last_logits[i] = logits[row]
     for i, s in enumerate(seqs):
-        dense = forward_dense(params, config, jnp.asarray(s[: lengths[i]]))
+        dense = forward_dense(dense_params, config, jnp.asarray(s[: lengths[i]]))
         np.testing.assert_allclose(last_logits[i], dense[-1], atol=1e-5, rtol=1e-5)
     # Four decode steps for all sequences together.
     for extra_token in range(4):
@@ -68,7 +73,7 @@ def test_chunked_prefill_then_decode_matches_dense(num_heads, num_kv_heads, extr
         batch = make_batch(chunks, tables, BLOCK_SIZE, pad_tokens=4, pad_seqs=2, max_blocks=8)
         cache, logits = step(params, cache, batch)
         for i, s in enumerate(seqs):
-            dense = forward_dense(params, config, jnp.asarray(s[: lengths[i] + extra_token + 1]))
+            dense = forward_dense(dense_params, config, jnp.asarray(s[: lengths[i] + extra_token + 1]))
             np.testing.assert_allclose(logits[i], dense[-1], atol=1e-5, rtol=1e-5)
     # The null block (0) may hold padding garbage, but no live block was written by padding:
     # re-running the dense check above already proves the live blocks are intact.
