@@ -20,8 +20,11 @@ $(STAMP): pyproject.toml Makefile
 
 setup: $(STAMP)
 
+# One pytest worker per core (pytest-xdist); a module's tests stay on one worker so its
+# module-scoped engines and servers are built once. TEST_WORKERS=0 runs in this process.
+TEST_WORKERS ?= auto
 test: setup
-	JAX_PLATFORMS=cpu $(PY) -m pytest tests
+	JAX_PLATFORMS=cpu $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadscope
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -17,7 +17,9 @@ The runner never calls the scheduler or the engine back: everything it needs is 
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
+import os
 import time
 
 import jax
@@ -87,10 +89,22 @@ class ModelRunner:
         arrays = (*self.kv_cache, self.table.state.output_counts)
         return not any(a.is_deleted() for a in arrays)
 
-    def compile_all(self, progress: bool = True) -> None:
-        for bucket in tqdm(self.shapes.buckets(), desc="compiling buckets", unit="bucket",
-                           disable=not progress, leave=False):
-            self._executable(bucket)
+    def compile_all(self, progress: bool = True, workers: int | None = None) -> None:
+        """Compiles every bucket not compiled yet. Lowering (Python tracing) runs here, one bucket
+        after another; XLA's compilations, which release the GIL, run on `workers` threads (the
+        CPU count by default): on a 2-core CPU start-up compiles in about half the time."""
+        todo = [b for b in self.shapes.buckets() if b not in self._compiled]
+        if not todo:
+            return
+        workers = max(1, min(len(todo), workers or os.cpu_count() or 1))
+        bar = tqdm(total=len(todo), desc="compiling buckets", unit="bucket", disable=not progress,
+                   leave=False)
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compile") as pool:
+            futures = {pool.submit(self._lower(bucket).compile): bucket for bucket in todo}
+            for future in concurrent.futures.as_completed(futures):
+                self._compiled[futures[future]] = future.result()
+                bar.update()
+        bar.close()
 
     def _layout(self, bucket: Bucket) -> StepLayout:
         return self.builder.layout(bucket.padded_tokens, bucket.padded_seqs, bucket.padded_logits)
@@ -99,11 +113,14 @@ class ModelRunner:
         if bucket not in self._compiled:
             if bucket not in self.shapes.buckets():
                 raise ValueError(f"shape {bucket} is not a declared bucket: {self.shapes.buckets()}")
-            layout = self._layout(bucket)
-            step = jax.jit(functools.partial(self._step, layout=layout), donate_argnums=(1, 2))
-            flat = jax.ShapeDtypeStruct((layout.size,), np.int32)
-            self._compiled[bucket] = step.lower(self.params, self.kv_cache, self.table.state, flat).compile()
+            self._compiled[bucket] = self._lower(bucket).compile()
         return self._compiled[bucket]
+
+    def _lower(self, bucket: Bucket):
+        layout = self._layout(bucket)
+        step = jax.jit(functools.partial(self._step, layout=layout), donate_argnums=(1, 2))
+        flat = jax.ShapeDtypeStruct((layout.size,), np.int32)
+        return step.lower(self.params, self.kv_cache, self.table.state, flat)
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         prof = self.profile
