@@ -82,7 +82,9 @@ def build_parts(config: EngineConfig, *, progress: bool = True) -> EngineParts:
         token_buckets=resolve_token_buckets(config), seq_buckets=resolve_seq_buckets(config),
         max_blocks_per_seq=max_blocks_per_seq, num_blocks=num_blocks, block_size=bs,
         num_logprobs=config.max_logprobs,
-        sample_vocab_size=min(loaded.config.vocab_size, loaded.tokenizer.vocab_size))
+        sample_vocab_size=min(loaded.config.vocab_size, loaded.tokenizer.vocab_size),
+        logits_per_seq=1 + (config.speculative_config.num_speculative_tokens
+                            if config.speculative_config is not None else 0))
     start = time.perf_counter()
     runner = ModelRunner(loaded.config, loaded.params, shapes, dtype=dtype, attention_backend=backend,
                          interpret=config.interpret, scan_layers=resolve_scan_layers(config, platform),

@@ -35,6 +35,8 @@ from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.request_state import RequestState, SequenceState
 from engine.request_table import RowParams
 from engine.sampling_params import ParamError, SamplingParams
+from engine.spec_decode.base import make_spec_decoder
+from engine.spec_decode.controller import SpecDecodeStats
 from scheduler import FinishReason, Request, Scheduler
 
 # Knobs that change only the scheduler (no compiled shape): reconfigure_scheduler() takes these.
@@ -62,6 +64,7 @@ class EngineStats:
     num_cached_blocks: int
     padded_token_fraction: float  # padding tokens / all tokens fed so far
     num_failed_steps: int = 0  # steps whose runner call raised
+    spec_decode: SpecDecodeStats | None = None  # speculative decoding counters; None: off
 
 
 class LLMEngine:
@@ -99,6 +102,9 @@ class LLMEngine:
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
         self._num_failed_steps = 0
+        # Speculative decoding (engine/spec_decode/): drafts before schedule(), counts after update().
+        self.spec = make_spec_decoder(self.config.speculative_config, self.runner,
+                                      max_num_batched_tokens=self.config.max_num_batched_tokens)
 
     def reconfigure_scheduler(self, **changes) -> Scheduler:
         """A new scheduler with changed knobs (SCHEDULER_KNOBS, EngineConfig's names), over the
@@ -216,6 +222,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         self._check_alive()
+        if self.spec is not None:
+            self.spec.prepare(self.scheduler)  # drafts into Request.spec_token_ids
         out = self.scheduler.schedule()
         try:
             result = self.runner.execute(out)  # also tells the runner's table who joined or left
@@ -223,6 +231,8 @@ class LLMEngine:
             finished = {r.req_id: r for r in self.scheduler.update(out, result)}
         except Exception as exc:  # all-or-nothing: the step is dropped, its requests fail
             return self._fail_step(out, exc)
+        if self.spec is not None:
+            self.spec.observe(out, result)
         now = time.monotonic()
         touched: dict[str, RequestState] = {}
         logprobs = result.logprobs or [None] * len(result.req_ids)
@@ -294,7 +304,8 @@ class LLMEngine:
             num_generation_tokens=self._num_generation_tokens,
             num_compilations=num_backend_compilations(), num_steps=s.num_steps,
             num_free_blocks=s.num_free_blocks, num_cached_blocks=s.num_cached_blocks,
-            padded_token_fraction=padded / fed if fed else 0.0, num_failed_steps=self._num_failed_steps)
+            padded_token_fraction=padded / fed if fed else 0.0, num_failed_steps=self._num_failed_steps,
+            spec_decode=self.spec.stats() if self.spec is not None else None)
 
 
 __all__ = ["CompletionOutput", "EngineDeadError", "EngineStats", "LLMEngine"]
