@@ -129,6 +129,8 @@ class LLMEngine:
             if config.max_num_seqs > shapes.max_num_seqs:
                 raise ValueError(f"reconfigure_scheduler: max_num_seqs={config.max_num_seqs} exceeds "
                                  f"the largest compiled sequence bucket ({shapes.max_num_seqs})")
+        if self.spec is not None:
+            self.spec.set_token_budget(config.max_num_batched_tokens)
         # The old scheduler's last finishes reach the runner's table with one empty step.
         self.runner.execute(self.scheduler.schedule())
         self.scheduler = Scheduler(scheduler_config_for(config, max_model_len=self.max_model_len,

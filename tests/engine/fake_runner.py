@@ -45,7 +45,7 @@ class FakeRunner:
         self.num_steps += 1
         if self.fail_at_step == self.num_steps:
             raise RuntimeError("injected fault")
-        req_ids, tokens, logprobs = [], [], []
+        req_ids, tokens, logprobs, rejected = [], [], [], []
         for sr in out.scheduled:
             seq = self.fed[sr.req_id]
             if sr.req_id in self.joined:
@@ -54,8 +54,18 @@ class FakeRunner:
             assert len(seq) == sr.num_computed_tokens, (sr.req_id, len(seq), sr.num_computed_tokens)
             seq.extend(sr.token_ids)
             if sr.num_logits:
-                t = next_token(seq, self.sample_vocab_size)
+                # num_logits > 1: the row carries drafts; keep samples while they equal them
+                # (greedy verification), then the first that differs, and forget the rest.
+                n = sr.num_logits
+                drafts = sr.token_ids[len(sr.token_ids) - n + 1 :]
+                kept = []
+                for j in range(n):
+                    kept.append(next_token(seq[: len(seq) - n + 1 + j], self.sample_vocab_size))
+                    if j == n - 1 or kept[-1] != drafts[j]:
+                        break
+                del seq[len(seq) - (n - len(kept)) :]
                 req_ids.append(sr.req_id)
-                tokens.append([t])
-                logprobs.append([TokenLogprobs(-0.5, [t], [-0.5])])
-        return StepResult(req_ids, tokens, logprobs)
+                tokens.append(kept)
+                rejected.append(n - len(kept))
+                logprobs.append([TokenLogprobs(-0.5, [t], [-0.5]) for t in kept])
+        return StepResult(req_ids, tokens, logprobs, rejected)
