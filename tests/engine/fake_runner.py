@@ -15,7 +15,7 @@ def next_token(tokens: list[int], vocab: int) -> int:
     return (sum(tokens) * 31 + len(tokens) * 17) % (vocab - 2) + 2  # never 0 or 1
 
 
-def expected_output(prompt: list[int], max_tokens: int, vocab: int) -> list[int]:
+def expected_output(prompt: list[int], max_tokens: int, vocab: int, next_token=next_token) -> list[int]:
     seq, out = list(prompt), []
     for _ in range(max_tokens):
         t = next_token(seq, vocab)
@@ -25,8 +25,9 @@ def expected_output(prompt: list[int], max_tokens: int, vocab: int) -> list[int]
 
 
 class FakeRunner:
-    def __init__(self, vocab: int = 256):
+    def __init__(self, vocab: int = 256, next_token=next_token):
         self.sample_vocab_size = vocab
+        self.next_token = next_token  # (tokens, vocab) -> the greedy next token
         self.fed: dict[str, list[int]] = {}
         self.joined: set[str] = set()  # joined, not yet run
         self.num_steps = 0
@@ -60,7 +61,7 @@ class FakeRunner:
                 drafts = sr.token_ids[len(sr.token_ids) - n + 1 :]
                 kept = []
                 for j in range(n):
-                    kept.append(next_token(seq[: len(seq) - n + 1 + j], self.sample_vocab_size))
+                    kept.append(self.next_token(seq[: len(seq) - n + 1 + j], self.sample_vocab_size))
                     if j == n - 1 or kept[-1] != drafts[j]:
                         break
                 del seq[len(seq) - (n - len(kept)) :]

@@ -168,3 +168,36 @@ def test_stats_and_metrics_report_speculation(tiny_spec_engine, prompts):
     assert f"jaxserve:spec_decode_num_accepted_tokens_total {spec.num_accepted_tokens}" in text
     assert 'jaxserve:spec_decode_num_accepted_tokens_per_pos_total{position="0"}' in text
     assert "jaxserve:spec_decode_mean_accepted_length " in text
+
+
+def test_300_requests_with_aborts_stops_and_preemptions_compile_nothing_and_leak_nothing(tiny_spec_engine):
+    from tests.scheduler.conftest import _check_invariants
+
+    engine = tiny_spec_engine
+    rng = np.random.default_rng(1)
+    vocab = engine.model_config.vocab_size
+    prompts = _prompts(vocab, n=300, seed=2)
+    with scheduler_as(engine, num_kv_blocks=41) as sched:  # 40 blocks of 16 for 16 rows: preemptions
+        run_to_completion(engine, [("warm", prompts[0], SamplingParams(temperature=8.0, top_k=20, max_tokens=8,
+                                                                       presence_penalty=0.5, logprobs=2))])
+        before = engine.get_stats().num_compilations
+        pending = list(range(300))
+        aborted = finished = 0
+        while pending or engine.has_unfinished_requests():
+            while pending and len(engine._requests) < 24:
+                i = pending.pop()
+                params = SamplingParams(temperature=float(rng.choice([0.0, 8.0])), seed=i,
+                                        max_tokens=int(rng.integers(1, 30)), ignore_eos=True,
+                                        stop=[engine.tokenizer.decode([int(rng.integers(40, 120))])] if i % 3 == 0 else [],
+                                        stop_token_ids=[int(rng.integers(2, vocab))] if i % 3 == 1 else [],
+                                        frequency_penalty=0.5 if i % 5 == 0 else 0.0)
+                engine.add_request(f"z{i}", prompts[i] * 2, params)
+            finished += sum(out.finished for out in engine.step())
+            if rng.random() < 0.1 and engine._requests:
+                aborted += engine.abort_request(sorted(engine._requests)[0])
+        assert finished + aborted == 300 and aborted > 10
+        assert sched.stats.num_preemptions > 0 and engine.get_stats().spec_decode.num_accepted_tokens > 0
+        engine.step()
+        _check_invariants(sched)
+        assert sched.stats.num_used_blocks == 0 and len(engine.runner.table) == 0
+    assert engine.get_stats().num_compilations == before
