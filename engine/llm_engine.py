@@ -73,13 +73,14 @@ class LLMEngine:
 
     @classmethod
     def from_parts(cls, config: EngineConfig, *, scheduler: Scheduler, runner, tokenizer,
-                   model_name: str = "custom") -> LLMEngine:
+                   model_name: str = "custom", proposer=None) -> LLMEngine:
         """An engine over parts built elsewhere; `runner` needs `execute(scheduler_output)` and
-        `sample_vocab_size` (the ids a prompt may hold)."""
+        `sample_vocab_size` (the ids a prompt may hold); `proposer` overrides the one
+        speculative_config would build (engine/spec_decode/base.py)."""
         engine = cls.__new__(cls)
         engine._setup(EngineParts(config=config, scheduler=scheduler, runner=runner,
                                   tokenizer=tokenizer, max_model_len=scheduler.config.max_model_len,
-                                  model_name=model_name))
+                                  model_name=model_name, proposer=proposer))
         return engine
 
     def _setup(self, parts: EngineParts) -> None:
@@ -104,7 +105,8 @@ class LLMEngine:
         self._num_failed_steps = 0
         # Speculative decoding (engine/spec_decode/): drafts before schedule(), counts after update().
         self.spec = make_spec_decoder(self.config.speculative_config, self.runner,
-                                      max_num_batched_tokens=self.config.max_num_batched_tokens)
+                                      max_num_batched_tokens=self.config.max_num_batched_tokens,
+                                      proposer=parts.proposer)
 
     def reconfigure_scheduler(self, **changes) -> Scheduler:
         """A new scheduler with changed knobs (SCHEDULER_KNOBS, EngineConfig's names), over the
@@ -131,8 +133,12 @@ class LLMEngine:
                                  f"the largest compiled sequence bucket ({shapes.max_num_seqs})")
         if self.spec is not None:
             self.spec.set_token_budget(config.max_num_batched_tokens)
-        # The old scheduler's last finishes reach the runner's table with one empty step.
-        self.runner.execute(self.scheduler.schedule())
+        # The old scheduler's last finishes reach the runner's table (and a draft model's) with
+        # one empty step.
+        out = self.scheduler.schedule()
+        if self.spec is not None:
+            self.spec.after_schedule(out, self.scheduler)
+        self.runner.execute(out)
         self.scheduler = Scheduler(scheduler_config_for(config, max_model_len=self.max_model_len,
                                                         num_blocks=num_blocks))
         self.config = config
@@ -228,6 +234,8 @@ class LLMEngine:
             self.spec.prepare(self.scheduler)  # drafts into Request.spec_token_ids
         out = self.scheduler.schedule()
         try:
+            if self.spec is not None:
+                self.spec.after_schedule(out, self.scheduler)  # a draft model drafts now
             result = self.runner.execute(out)  # also tells the runner's table who joined or left
             # update() validates the whole result before it changes anything.
             finished = {r.req_id: r for r in self.scheduler.update(out, result)}

@@ -24,20 +24,22 @@ class Proposer(Protocol):
     def propose(self, requests: list[Request]) -> list[list[int]]: ...
 
 
-def make_spec_decoder(config: SpeculativeConfig | None, runner, *, max_num_batched_tokens: int
-                      ) -> SpecDecoder | None:
+def make_spec_decoder(config: SpeculativeConfig | None, runner, *, max_num_batched_tokens: int,
+                      proposer=None) -> SpecDecoder | None:
+    """The engine's SpecDecoder, or None when speculation is off. A draft_model proposer holds a
+    compiled runner, so it is built with the engine's parts (engine/builder.py) and passed in."""
     if config is None:
         return None
-    if config.method == "ngram":
+    if proposer is not None:
+        pass
+    elif config.method == "ngram":
         from engine.spec_decode.ngram import NgramProposer
 
         proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                                  config.prompt_lookup_max)
     else:
-        proposer = getattr(runner, "draft_proposer", None)
-        if proposer is None:
-            raise ValueError("speculative_config.method='draft_model' needs a runner built with a "
-                             "draft model (LLMEngine(config) builds one from speculative_config.model)")
+        raise ValueError("speculative_config.method='draft_model' needs a draft runner: LLMEngine(config) "
+                         "builds one from speculative_config.model (LLMEngine.from_parts takes proposer=)")
     shapes = getattr(runner, "shapes", None)
     if shapes is not None and shapes.logits_per_seq != 1 + config.num_speculative_tokens:
         raise ValueError(f"speculative_config.num_speculative_tokens={config.num_speculative_tokens}: "

@@ -56,6 +56,9 @@ class SpecDecoder:
         self.tracker = AcceptanceTracker(min_acceptance_rate=config.min_acceptance_rate,
                                          alpha=config.acceptance_ema_alpha,
                                          probe_interval=config.probe_interval)
+        # False: no drafts at all (a baseline on the same compiled engine); a draft model still
+        # follows every step, so turning it back on needs no catching up.
+        self.enabled = True
         self._stats = SpecDecodeStats(config.method, self.k, accepted_per_position=[0] * self.k,
                                       drafted_per_position=[0] * self.k)
 
@@ -65,13 +68,20 @@ class SpecDecoder:
     def prepare(self, scheduler: Scheduler) -> None:
         decoding = [r for r in scheduler.running.values()
                     if len(r.prompt_token_ids) + len(r.output_token_ids) - r.num_computed_tokens == 1]
-        if not decoding or not self.switch.update(len(decoding)):
+        if not self.enabled or not decoding or not self.switch.update(len(decoding)):
             return
         wants = self.tracker.wants_drafts
         chosen = [r for r in decoding if wants(r.req_id)]
         if chosen:
             for request, drafts in zip(chosen, self.proposer.propose(chosen)):
                 request.spec_token_ids = drafts
+
+    def after_schedule(self, out: SchedulerOutput, scheduler: Scheduler) -> None:
+        """A device proposer (draft_model.py) drafts into the scheduled rows now, once their
+        slots are allocated; host proposers drafted in prepare()."""
+        fill = getattr(self.proposer, "fill", None)
+        if fill is not None:
+            fill(out, scheduler)
 
     def observe(self, out: SchedulerOutput, result: StepResult) -> None:
         for req_id in (*out.finished_req_ids, *out.aborted_req_ids):

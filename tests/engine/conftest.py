@@ -85,9 +85,9 @@ def tiny_spec_engine():
 
 @contextlib.contextmanager
 def spec_off(engine):
-    """Runs the block with no proposer: every decode row is one token, as without speculation."""
-    spec, engine.spec = engine.spec, None
+    """Runs the block without drafts: every decode row is one token, as without speculation."""
+    engine.spec.enabled = False
     try:
         yield engine
     finally:
-        engine.spec = spec
+        engine.spec.enabled = True
