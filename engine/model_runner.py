@@ -158,7 +158,9 @@ class ModelRunner:
                 continue
             req_ids.append(sr.req_id)
             kept = n
-            if n > 1:  # verify: keep samples while they equal the drafts, then the first that differs
+            if n > 1 and rejected is not None:
+                # Verify drafts: keep samples while they equal the drafts, then the first that
+                # differs. (Without speculation a row's several logit rows are all kept.)
                 drafts = sr.token_ids[len(sr.token_ids) - n + 1 :]
                 kept = 1
                 while kept < n and ids[i + kept - 1] == drafts[kept - 1]:
