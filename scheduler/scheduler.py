@@ -209,18 +209,14 @@ class Scheduler:
         return output
 
     def _clamp_drafts(self, request: Request, drafts: list[int], spare: int) -> list[int]:
-        """Drafts that fit the spare budget and never carry the request past max_tokens (one
-        bonus token comes on top) or its last position past max_model_len - 2."""
-        room = min(
-            spare,
-            request.max_tokens - len(request.output_token_ids) - 1,
-            self.config.max_model_len - 1 - request.num_tokens,
-        )
+        """Drafts within the spare budget that never carry the request past max_tokens (a bonus
+        token comes on top) or its last position past max_model_len - 2."""
+        room = min(spare, request.max_tokens - len(request.output_token_ids) - 1,
+                   self.config.max_model_len - 1 - request.num_tokens)
         return list(drafts[: max(room, 0)])
 
-    def _schedule_running(
-        self, request: Request, num_new: int, plan: _StepPlan, drafts: list[int] | None = None
-    ) -> None:
+    def _schedule_running(self, request: Request, num_new: int, plan: _StepPlan,
+                          drafts: list[int] | None = None) -> None:
         """Allocate for and schedule a running request, preempting others while blocks are short.
         A decode with drafts allocates slots for them too (rejected ones are reused next step)."""
         while True:
@@ -282,21 +278,16 @@ class Scheduler:
             request.num_cached_tokens = num_computed
         self.running[request.req_id] = request
 
-    def _add_to_plan(
-        self, request: Request, num_new: int, plan: _StepPlan, drafts: list[int] | None = None
-    ) -> None:
+    def _add_to_plan(self, request: Request, num_new: int, plan: _StepPlan,
+                     drafts: list[int] | None = None) -> None:
         start = request.num_computed_tokens
         end = start + num_new
         req_id = request.req_id
         if drafts:  # a decode verifying drafts: its last token, then the drafts, all sampled
-            token_ids = request.token_slice(start, start + 1) + drafts
-            num_logits = 1 + len(drafts)
-        else:
+            token_ids, num_logits = request.token_slice(start, start + 1) + drafts, 1 + len(drafts)
+        else:  # sample once the chunk reaches the last known token
             token_ids = request.token_slice(start, end)
-            # sample once the chunk reaches the last known token
-            num_logits = (
-                1 if end == len(request.prompt_token_ids) + len(request.output_token_ids) else 0
-            )
+            num_logits = int(end == len(request.prompt_token_ids) + len(request.output_token_ids))
         plan.scheduled[req_id] = ScheduledRequest(  # positional: this runs once per request
             req_id,  # req_id
             token_ids,  # token_ids
