@@ -10,10 +10,13 @@ emitted; the counters below and the request's acceptance EMA follow.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.switch import AcceptanceTracker, LoadSwitch
 from scheduler import Scheduler, SchedulerOutput, StepResult
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -59,6 +62,7 @@ class SpecDecoder:
         # False: no drafts at all (a baseline on the same compiled engine); a draft model still
         # follows every step, so turning it back on needs no catching up.
         self.enabled = True
+        self.num_proposer_errors = 0
         self._stats = SpecDecodeStats(config.method, self.k, accepted_per_position=[0] * self.k,
                                       drafted_per_position=[0] * self.k)
 
@@ -72,9 +76,17 @@ class SpecDecoder:
             return
         wants = self.tracker.wants_drafts
         chosen = [r for r in decoding if wants(r.req_id)]
-        if chosen:
-            for request, drafts in zip(chosen, self.proposer.propose(chosen)):
-                request.spec_token_ids = drafts
+        if not chosen:
+            return
+        try:
+            proposals = self.proposer.propose(chosen)
+        except Exception:  # a proposer fault costs this step its drafts, never the requests
+            logger.exception("speculative decoding: the %s proposer failed; this step runs without drafts",
+                             self.config.method)
+            self.num_proposer_errors += 1
+            return
+        for request, drafts in zip(chosen, proposals):
+            request.spec_token_ids = drafts
 
     def after_schedule(self, out: SchedulerOutput, scheduler: Scheduler) -> None:
         """A device proposer (draft_model.py) drafts into the scheduled rows now, once their

@@ -110,3 +110,16 @@ def test_low_acceptance_stops_drafting_for_a_request_and_probes_it_again():
     always, adaptive = run(0.0), run(0.75)
     assert always.num_request_disables == 0 and adaptive.num_request_disables >= 4
     assert adaptive.num_drafts < always.num_drafts
+
+
+def test_a_failing_proposer_costs_its_drafts_not_the_requests():
+    engine, _ = make_engine(num_blocks=200)
+
+    def broken(requests):
+        raise RuntimeError("proposer bug")
+
+    engine.spec.proposer.propose = broken
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    outs = run_to_completion(engine, [("a", [5, 6, 7, 5, 6, 7], params)])
+    assert outs["a"].outputs[0].token_ids == expected_output([5, 6, 7, 5, 6, 7], 10, VOCAB, next_token=cyclic)
+    assert engine.spec.num_proposer_errors > 0 and engine.get_stats().spec_decode.num_drafts == 0
