@@ -33,6 +33,7 @@ class EngineParts:
     attention_backend: str = "xla"
     load_seconds: float = 0.0
     compile_seconds: float = 0.0
+    proposer: object = None  # speculative decoding's proposer when it needs parts (a draft model)
 
 
 def scheduler_config_for(config: EngineConfig, *, max_model_len: int, num_blocks: int) -> SchedulerConfig:
@@ -82,16 +83,50 @@ def build_parts(config: EngineConfig, *, progress: bool = True) -> EngineParts:
         token_buckets=resolve_token_buckets(config), seq_buckets=resolve_seq_buckets(config),
         max_blocks_per_seq=max_blocks_per_seq, num_blocks=num_blocks, block_size=bs,
         num_logprobs=config.max_logprobs,
-        sample_vocab_size=min(loaded.config.vocab_size, loaded.tokenizer.vocab_size))
+        sample_vocab_size=min(loaded.config.vocab_size, loaded.tokenizer.vocab_size),
+        logits_per_seq=1 + (config.speculative_config.num_speculative_tokens
+                            if config.speculative_config is not None else 0))
     start = time.perf_counter()
     runner = ModelRunner(loaded.config, loaded.params, shapes, dtype=dtype, attention_backend=backend,
                          interpret=config.interpret, scan_layers=resolve_scan_layers(config, platform),
                          precompile=config.precompile, progress=progress)
+    proposer = None
+    spec = config.speculative_config
+    if spec is not None and spec.method == "draft_model":
+        proposer = build_draft_proposer(config, shapes, loaded, dtype=dtype, backend=backend,
+                                        platform=platform, max_model_len=max_model_len,
+                                        progress=progress)
     return EngineParts(
         config=config, scheduler=scheduler, runner=runner, tokenizer=loaded.tokenizer,
         max_model_len=max_model_len, model_name=_model_name(config.model, loaded.config.name),
         model_config=loaded.config, dtype=dtype, attention_backend=backend,
-        load_seconds=load_seconds, compile_seconds=time.perf_counter() - start)
+        load_seconds=load_seconds, compile_seconds=time.perf_counter() - start, proposer=proposer)
+
+
+def build_draft_proposer(config: EngineConfig, shapes: RunnerShapes, target, *, dtype: str,
+                         backend: str, platform: str, max_model_len: int, progress: bool):
+    """The draft model's own runner (same buckets and block tables as the target's, one more
+    token bucket for rows catching up, one logit row per sequence) inside a DraftModelProposer."""
+    from engine.spec_decode.draft_model import DraftModelProposer
+
+    spec = config.speculative_config
+    draft = load_model(spec.model, dtype=dtype, seed=config.seed, tokenizer=config.tokenizer,
+                       progress=progress, cache_dir=config.weights_cache_dir)
+    if draft.tokenizer.vocab_size != target.tokenizer.vocab_size:
+        raise ValueError(f"speculative_config.model={spec.model!r}: its tokenizer has "
+                         f"{draft.tokenizer.vocab_size} ids, the target's {target.tokenizer.vocab_size}; "
+                         "a draft model must share the target's tokenizer")
+    if draft.config.max_position_embeddings < max_model_len:
+        raise ValueError(f"speculative_config.model={spec.model!r}: its context "
+                         f"({draft.config.max_position_embeddings}) is shorter than max_model_len "
+                         f"({max_model_len})")
+    draft_shapes = dataclasses.replace(
+        shapes, token_buckets=(*shapes.token_buckets, shapes.token_buckets[-1] + shapes.max_num_seqs),
+        num_logprobs=0, logits_per_seq=1, sample_vocab_size=min(shapes.sample_vocab_size, draft.config.vocab_size))
+    runner = ModelRunner(draft.config, draft.params, draft_shapes, dtype=dtype, attention_backend=backend,
+                         interpret=config.interpret, scan_layers=resolve_scan_layers(config, platform),
+                         precompile=config.precompile, progress=progress)
+    return DraftModelProposer(runner, spec.num_speculative_tokens)
 
 
 def _model_name(spec: str, config_name: str) -> str:

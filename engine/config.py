@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from engine.spec_decode.config import SpeculativeConfig
 from scheduler.config import KV_ALLOCATIONS, POLICIES
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -46,6 +47,7 @@ class EngineConfig:
     weights_cache_dir: str | None = None  # keep GGUF conversions here (orbax) for fast restarts
     max_logprobs: int = 20  # most top logprobs a request may ask for
     precompile: bool = True  # compile every bucket at start-up
+    speculative_config: SpeculativeConfig | dict | None = None  # speculative decoding, vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 3} (keys: engine/spec_decode/config.py; a JSON object as a flag); None: off
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -90,6 +92,11 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be positive integers, got {buckets!r}")
             if list(buckets) != sorted(set(buckets)):
                 raise ValueError(f"EngineConfig.{name} must be strictly increasing, got {buckets!r}")
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.from_value(self.speculative_config))
+        spec = self.speculative_config
+        if spec is not None and spec.num_speculative_tokens >= self.max_num_batched_tokens:
+            raise ValueError(f"speculative_config.num_speculative_tokens ({spec.num_speculative_tokens}) "
+                             f"must be below max_num_batched_tokens ({self.max_num_batched_tokens})")
         if self.token_buckets is not None and self.token_buckets[-1] < self.max_num_batched_tokens:
             raise ValueError(
                 "EngineConfig.token_buckets: the largest bucket "

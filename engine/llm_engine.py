@@ -35,6 +35,8 @@ from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.request_state import RequestState, SequenceState
 from engine.request_table import RowParams
 from engine.sampling_params import ParamError, SamplingParams
+from engine.spec_decode.base import make_spec_decoder
+from engine.spec_decode.controller import SpecDecodeStats
 from scheduler import FinishReason, Request, Scheduler
 
 # Knobs that change only the scheduler (no compiled shape): reconfigure_scheduler() takes these.
@@ -62,6 +64,7 @@ class EngineStats:
     num_cached_blocks: int
     padded_token_fraction: float  # padding tokens / all tokens fed so far
     num_failed_steps: int = 0  # steps whose runner call raised
+    spec_decode: SpecDecodeStats | None = None  # speculative decoding counters; None: off
 
 
 class LLMEngine:
@@ -70,13 +73,14 @@ class LLMEngine:
 
     @classmethod
     def from_parts(cls, config: EngineConfig, *, scheduler: Scheduler, runner, tokenizer,
-                   model_name: str = "custom") -> LLMEngine:
+                   model_name: str = "custom", proposer=None) -> LLMEngine:
         """An engine over parts built elsewhere; `runner` needs `execute(scheduler_output)` and
-        `sample_vocab_size` (the ids a prompt may hold)."""
+        `sample_vocab_size` (the ids a prompt may hold); `proposer` overrides the one
+        speculative_config would build (engine/spec_decode/base.py)."""
         engine = cls.__new__(cls)
         engine._setup(EngineParts(config=config, scheduler=scheduler, runner=runner,
                                   tokenizer=tokenizer, max_model_len=scheduler.config.max_model_len,
-                                  model_name=model_name))
+                                  model_name=model_name, proposer=proposer))
         return engine
 
     def _setup(self, parts: EngineParts) -> None:
@@ -99,6 +103,10 @@ class LLMEngine:
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
         self._num_failed_steps = 0
+        # Speculative decoding (engine/spec_decode/): drafts before schedule(), counts after update().
+        self.spec = make_spec_decoder(self.config.speculative_config, self.runner,
+                                      max_num_batched_tokens=self.config.max_num_batched_tokens,
+                                      proposer=parts.proposer)
 
     def reconfigure_scheduler(self, **changes) -> Scheduler:
         """A new scheduler with changed knobs (SCHEDULER_KNOBS, EngineConfig's names), over the
@@ -123,8 +131,14 @@ class LLMEngine:
             if config.max_num_seqs > shapes.max_num_seqs:
                 raise ValueError(f"reconfigure_scheduler: max_num_seqs={config.max_num_seqs} exceeds "
                                  f"the largest compiled sequence bucket ({shapes.max_num_seqs})")
-        # The old scheduler's last finishes reach the runner's table with one empty step.
-        self.runner.execute(self.scheduler.schedule())
+        if self.spec is not None:
+            self.spec.set_token_budget(config.max_num_batched_tokens)
+        # The old scheduler's last finishes reach the runner's table (and a draft model's) with
+        # one empty step.
+        out = self.scheduler.schedule()
+        if self.spec is not None:
+            self.spec.after_schedule(out, self.scheduler)
+        self.runner.execute(out)
         self.scheduler = Scheduler(scheduler_config_for(config, max_model_len=self.max_model_len,
                                                         num_blocks=num_blocks))
         self.config = config
@@ -216,13 +230,19 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         self._check_alive()
+        if self.spec is not None:
+            self.spec.prepare(self.scheduler)  # drafts into Request.spec_token_ids
         out = self.scheduler.schedule()
         try:
+            if self.spec is not None:
+                self.spec.after_schedule(out, self.scheduler)  # a draft model drafts now
             result = self.runner.execute(out)  # also tells the runner's table who joined or left
             # update() validates the whole result before it changes anything.
             finished = {r.req_id: r for r in self.scheduler.update(out, result)}
         except Exception as exc:  # all-or-nothing: the step is dropped, its requests fail
             return self._fail_step(out, exc)
+        if self.spec is not None:
+            self.spec.observe(out, result)
         now = time.monotonic()
         touched: dict[str, RequestState] = {}
         logprobs = result.logprobs or [None] * len(result.req_ids)
@@ -294,7 +314,8 @@ class LLMEngine:
             num_generation_tokens=self._num_generation_tokens,
             num_compilations=num_backend_compilations(), num_steps=s.num_steps,
             num_free_blocks=s.num_free_blocks, num_cached_blocks=s.num_cached_blocks,
-            padded_token_fraction=padded / fed if fed else 0.0, num_failed_steps=self._num_failed_steps)
+            padded_token_fraction=padded / fed if fed else 0.0, num_failed_steps=self._num_failed_steps,
+            spec_decode=self.spec.stats() if self.spec is not None else None)
 
 
 __all__ = ["CompletionOutput", "EngineDeadError", "EngineStats", "LLMEngine"]

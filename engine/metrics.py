@@ -73,6 +73,33 @@ def _scalar(kind: str, name: str, help_text: str, samples: list[tuple[dict[str, 
     return lines
 
 
+def _spec_decode_lines(spec) -> list[str]:
+    """Speculative decoding (engine/spec_decode/controller.py SpecDecodeStats), vLLM's names."""
+    lines: list[str] = []
+    for name, value, help_text in (
+        ("num_drafts", spec.num_drafts, "Rows that verified drafts."),
+        ("num_draft_tokens", spec.num_draft_tokens, "Draft tokens verified."),
+        ("num_accepted_tokens", spec.num_accepted_tokens, "Draft tokens accepted."),
+        ("num_emitted_tokens", spec.num_emitted_tokens, "Tokens emitted by rows that verified drafts (accepted plus one bonus each)."),
+        ("num_switch_offs", spec.num_switch_offs, "Times the load switch turned speculation off."),
+        ("num_steps_off", spec.num_steps_off, "Steps that did not speculate because of the load."),
+        ("num_request_disables", spec.num_request_disables, "Times a request stopped drafting for low acceptance."),
+    ):
+        lines += _scalar("counter", f"spec_decode_{name}_total", help_text, [({}, value)])
+    per_pos = [({"position": str(i)}, n) for i, n in enumerate(spec.accepted_per_position)]
+    lines += _scalar("counter", "spec_decode_num_accepted_tokens_per_pos_total",
+                     "Draft tokens accepted, by position in the draft.", per_pos)
+    per_pos = [({"position": str(i)}, n) for i, n in enumerate(spec.drafted_per_position)]
+    lines += _scalar("counter", "spec_decode_num_draft_tokens_per_pos_total",
+                     "Draft tokens verified, by position in the draft.", per_pos)
+    lines += _scalar("gauge", "spec_decode_acceptance_rate", "Accepted / drafted tokens since start.",
+                     [({}, spec.acceptance_rate)])
+    lines += _scalar("gauge", "spec_decode_mean_accepted_length",
+                     "Tokens per verifying row since start, the bonus token included.",
+                     [({}, spec.mean_accepted_length)])
+    return lines
+
+
 class ServerMetrics:
     """What the server measures itself, plus rendering of the engine's stats."""
 
@@ -141,6 +168,9 @@ class ServerMetrics:
                 lines += _scalar("counter", "num_failed_steps_total", "Engine steps whose runner call raised "
                                  "(their requests failed; the engine kept serving).", [({}, failed)])
             lines += _scalar("counter", "num_compilations_total", "XLA compilations of the step function.", [({}, stats.num_compilations)])
+            spec = getattr(stats, "spec_decode", None)
+            if spec is not None:
+                lines += _spec_decode_lines(spec)
         finished = [({"finished_reason": reason}, count) for reason, count in sorted(self.requests_finished.items())]
         lines += _scalar("counter", "request_success_total", "Finished requests by finish reason.", finished)
         responses = [({"status": status}, count) for status, count in sorted(self.http_responses.items())]

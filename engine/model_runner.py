@@ -11,7 +11,9 @@
    donated, so each layer's new K/V and each sampled token's count are written in place.
 3. The step returns one packed float32 array (see engine/sampler.py); one device-to-host copy
    gives every sampled id and its logprobs, read into a StepResult: per request, a list of
-   tokens and typed logprobs (TokenLogprobs).
+   tokens and typed logprobs (TokenLogprobs). A row that verified d drafts (speculative
+   decoding, engine/spec_decode/) keeps its samples up to the first that differs from its draft,
+   and reports the other positions as num_rejected_tokens; the device counted the same ones.
 The runner never calls the scheduler or the engine back: everything it needs is in the output.
 """
 
@@ -69,7 +71,8 @@ class ModelRunner:
                                     block_size=shapes.block_size)
         self._step = functools.partial(_step, config=model_config, attention_backend=attention_backend,
                                        interpret=interpret, num_logprobs=shapes.num_logprobs,
-                                       sample_vocab_size=shapes.sample_vocab_size)
+                                       sample_vocab_size=shapes.sample_vocab_size,
+                                       num_speculative_tokens=shapes.logits_per_seq - 1)
         self._compiled: dict[Bucket, object] = {}
         self.num_padded_tokens = 0  # padding tokens fed so far (for the padding share)
         self.num_real_tokens = 0
@@ -149,18 +152,21 @@ class ModelRunner:
         self.num_real_tokens += out.num_batched_tokens
         self.num_padded_tokens += bucket.padded_tokens - out.num_batched_tokens
         sampling = built.row_num_logits > 0
-        self.table.commit(built.row_slots, built.row_num_logits)
-        result = self._read_result(out, host, built.row_num_logits, built.row_slots, sampling)
+        num_kept = built.row_num_logits.copy()
+        result = self._read_result(out, host, built.row_num_logits, built.row_slots, sampling, num_kept)
+        self.table.commit(built.row_slots, num_kept)
         if prof is not None:
             prof.record_runner(bucket, build=t1 - t0, h2d=t2 - t1, device=t3 - t2, d2h=t4 - t3,
                                read=time.perf_counter() - t4)
         return result
 
-    def _read_result(self, out, host, row_num_logits, row_slots, sampling) -> StepResult:
+    def _read_result(self, out, host, row_num_logits, row_slots, sampling, num_kept) -> StepResult:
+        """The StepResult; num_kept[row] is set to the tokens each row keeps (the rng steps)."""
         k = self.shapes.num_logprobs
         wants = self.table.wants_logprobs_np[row_slots]
         ids = host[:, 0].astype(np.int64).tolist()
         req_ids, tokens, logprobs = [], [], []
+        rejected = [] if self.shapes.logits_per_seq > 1 else None
         any_logprobs = bool(wants[sampling].any())
         i = 0
         for row, sr in enumerate(out.scheduled):
@@ -168,22 +174,34 @@ class ModelRunner:
             if not n:
                 continue
             req_ids.append(sr.req_id)
-            tokens.append(ids[i : i + n])
+            kept = n
+            if n > 1 and rejected is not None:
+                # Verify drafts: keep samples while they equal the drafts, then the first that
+                # differs. (Without speculation a row's several logit rows are all kept.)
+                drafts = sr.token_ids[len(sr.token_ids) - n + 1 :]
+                kept = 1
+                while kept < n and ids[i + kept - 1] == drafts[kept - 1]:
+                    kept += 1
+                num_kept[row] = kept
+            tokens.append(ids[i : i + kept])
+            if rejected is not None:
+                rejected.append(n - kept)
             if any_logprobs:
                 logprobs.append([
                     TokenLogprobs(float(host[j, 1]), host[j, 2 : 2 + k].astype(np.int64).tolist(),
                                   host[j, 2 + k :].tolist())
-                    for j in range(i, i + n)] if wants[row] else None)
+                    for j in range(i, i + kept)] if wants[row] else None)
             i += n
-        return StepResult(req_ids, tokens, logprobs if any_logprobs else None)
+        return StepResult(req_ids, tokens, logprobs if any_logprobs else None, rejected)
 
 
 def _step(params, kv_cache, table, flat, *, layout: StepLayout, config, attention_backend, interpret,
-          num_logprobs, sample_vocab_size):
+          num_logprobs, sample_vocab_size, num_speculative_tokens):
     inputs = layout.unpack(flat)
     table = table.with_joins(inputs.join_slots, inputs.join_values())
     kv_cache, logits = forward_paged(params, config, kv_cache, inputs,
                                      attention_backend=attention_backend, interpret=interpret)
     # A checkpoint may pad its vocabulary past the tokenizer's: those ids are never sampled.
-    table, packed = sample(logits[:, :sample_vocab_size], inputs, table, num_logprobs=num_logprobs)
+    table, packed = sample(logits[:, :sample_vocab_size], inputs, table, num_logprobs=num_logprobs,
+                           num_speculative_tokens=num_speculative_tokens)
     return kv_cache, table, packed

@@ -30,7 +30,7 @@ class RequestState:
     def output(self) -> RequestOutput:
         outputs = [
             CompletionOutput(
-                index=s.index, text=s.visible_text, token_ids=list(s.request.output_token_ids),
+                index=s.index, text=s.visible_text, token_ids=s.request.output_token_ids[: s.token_limit],
                 finish_reason=s.finish_reason, stop_reason=s.stop_reason,
                 logprobs=list(s.logprobs) if s.logprobs is not None else None,
                 cumulative_logprob=s.cumulative_logprob, error=s.error)
@@ -63,17 +63,29 @@ class SequenceState:
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
         self.num_tokens_seen = 0  # output tokens already detokenized
         self.error: str | None = None  # why the sequence failed (a step or detokenizer fault)
+        self.token_limit: int | None = None  # output tokens kept when a stop string cut a step's tokens
 
     def append(self, tokens: list[int], logprobs, now: float) -> bool:
         """Takes the tokens a step kept (and their TokenLogprobs, or None); True when a stop
         string ended the sequence."""
         if not tokens:
             return False
-        self.num_tokens_seen += len(tokens)
         metrics = self.parent.metrics
         if metrics.first_token_time is None:
             metrics.first_token_time = now
         metrics.last_token_time = now
+        if self.stops and len(tokens) > 1:
+            # Several tokens in one step (speculative decoding): a stop string may end the
+            # sequence inside them; the tokens after the one that completes it are not output.
+            for j in range(len(tokens)):
+                if self._add(tokens[j : j + 1], None if logprobs is None else logprobs[j : j + 1]):
+                    self.token_limit = self.num_tokens_seen
+                    return True
+            return False
+        return self._add(tokens, logprobs)
+
+    def _add(self, tokens: list[int], logprobs) -> bool:
+        self.num_tokens_seen += len(tokens)
         if logprobs is not None and self.logprobs is not None:
             k = self.num_logprobs
             for token, lp in zip(tokens, logprobs):

@@ -13,6 +13,9 @@ penalty state are gathered from the table on the device (engine/request_table.py
    comes from fold_in(key(seed), output index), so a request's tokens depend on its seed alone,
    never on what else is in the batch.
 5. Every sampled token is added to its slot's output counts (the next step's penalties).
+   With speculative decoding (num_speculative_tokens > 0; engine/spec_decode/verify.py), a row's
+   penalties also count the drafts before it in its request, and only the kept tokens (the
+   longest prefix whose samples equal the drafts, plus one) are counted.
 6. Everything the host needs is packed into one float32 array [L, 2 + 2 * num_logprobs]: the
    sampled id, its logprob, the top ids, their logprobs (ids < 2^24 are exact in float32), so a
    step makes one device-to-host copy.
@@ -26,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from engine.request_table import SAMPLING_FIELDS, TableState
+from engine.spec_decode.verify import draft_rows, earlier_draft_counts, kept_rows
 
 
 @dataclasses.dataclass
@@ -42,8 +46,11 @@ class _Rows:
     seed: jax.Array
 
 
-def _apply_penalties(logits, rows: _Rows, table: TableState, slots):
-    counts = table.output_counts[slots].astype(jnp.float32)  # [L, V]
+def _apply_penalties(logits, rows: _Rows, table: TableState, slots, draft_counts=None):
+    counts = table.output_counts[slots]  # [L, V]
+    if draft_counts is not None:  # the drafts before a row are its outputs if accepted
+        counts = counts + draft_counts()
+    counts = counts.astype(jnp.float32)
     seen = table.prompt_mask[slots] | (counts > 0)
     rep = rows.repetition_penalty[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
@@ -78,15 +85,21 @@ def _gumbel(seeds, steps, vocab: int):
     return jax.vmap(one)(seeds, steps)
 
 
-def sample(logits, inputs, table: TableState, *, num_logprobs: int):
+def sample(logits, inputs, table: TableState, *, num_logprobs: int, num_speculative_tokens: int = 0):
     """logits float32 [L, V] -> (table with counts updated, packed float32 [L, 2 + 2k])."""
     vocab = logits.shape[-1]
     slots = inputs.logits_slots  # padding rows hold R: gathers clamp, the count update drops them
-    gather_slots = jnp.minimum(slots, table.temperature.shape[0] - 1)
+    capacity = table.temperature.shape[0]
+    gather_slots = jnp.minimum(slots, capacity - 1)
     rows = _Rows(**{name: getattr(table, name)[gather_slots] for name, _, _ in SAMPLING_FIELDS})
     logprobs = jax.nn.log_softmax(logits, axis=-1)
+    k = num_speculative_tokens
+    draft_counts = None
+    if k:
+        is_draft, draft_ids = draft_rows(slots, inputs.logits_indices, inputs.input_ids, capacity)
+        draft_counts = lambda: earlier_draft_counts(slots, draft_ids, vocab, k)  # noqa: E731
     penalized = jax.lax.cond(inputs.flags[2] > 0,
-                             lambda x: _apply_penalties(x, rows, table, gather_slots),
+                             lambda x: _apply_penalties(x, rows, table, gather_slots, draft_counts),
                              lambda x: x, logits)
     greedy_ids = jnp.argmax(penalized, axis=-1)
 
@@ -98,7 +111,11 @@ def sample(logits, inputs, table: TableState, *, num_logprobs: int):
 
     sampled = jax.lax.cond(inputs.flags[0] > 0, random_ids, lambda x: greedy_ids, penalized)
     token_ids = jnp.where(rows.temperature > 0, sampled, greedy_ids).astype(jnp.int32)
-    table = table.count_tokens(slots, token_ids)
+    if k:  # rows after a rejected draft are not outputs: their tokens are not counted
+        kept = kept_rows(slots, is_draft, draft_ids, token_ids, k, capacity)
+        table = table.count_tokens(jnp.where(kept, slots, capacity), token_ids)
+    else:
+        table = table.count_tokens(slots, token_ids)
     token_logprob = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)[:, 0]
     parts = [token_ids.astype(jnp.float32)[:, None], token_logprob[:, None]]
     if num_logprobs:

@@ -49,6 +49,7 @@ class Request:
         "block_hashes",
         "sampling",
         "group_id",
+        "spec_token_ids",
         "_admitted",
     )
 
@@ -92,6 +93,10 @@ class Request:
         # Requests of one client request (its prompts, its n samples) share a group: the fairness
         # cap (SchedulerConfig.max_seqs_per_group) counts running requests per group.
         self.group_id = req_id if group_id is None else group_id
+        # Draft tokens to verify in the next step (speculative decoding), set by the engine's
+        # proposer before schedule(); schedule() consumes them (clamped to the budget, max_tokens
+        # and max_model_len) and clears them. They are not tokens of the request until accepted.
+        self.spec_token_ids: list[int] = []
         self._admitted = False
 
     @property

@@ -9,6 +9,9 @@ One step, in order (DESIGN.md sections 2-3):
     request (the lowest priority one under "priority") is preempted by recompute: its blocks are
     freed (full ones stay in the prefix cache), its progress resets to 0, and it goes back to the
     front of the waiting queue. A request preempted in this step is never scheduled in it.
+    A decode carrying draft tokens (`Request.spec_token_ids`, speculative decoding) feeds its last
+    token plus the drafts and samples at all of them (num_logits = 1 + drafts); drafts only take
+    the budget left after every decode row's own token, and never pass max_tokens/max_model_len.
  3. Running requests still in their prompt (chunked prefill) take what the budget leaves.
  4. Waiting requests are admitted in queue order (fcfs: arrival; priority: lower value first) while
     the budget, max_num_seqs and the pool allow, unless step 2 had to preempt. Each starts at its
@@ -144,9 +147,9 @@ class Scheduler:
 
         # Steps 2-3: decodes, then unfinished prefills; a snapshot, as preemption edits `running`.
         prefilling: list[Request] = []
-        for request in list(self.running.values()):
-            if request.status is not RUNNING:
-                continue  # preempted earlier in this loop
+        decoding: list[Request] = []
+        num_drafts = 0
+        for request in self.running.values():
             # num_tokens - num_computed_tokens, spelled out: this loop is the hot path.
             num_new = (
                 len(request.prompt_token_ids)
@@ -154,10 +157,23 @@ class Scheduler:
                 - request.num_computed_tokens
             )
             if num_new == 1:
-                if plan.budget >= 1:
-                    self._schedule_running(request, 1, plan)
+                decoding.append(request)
+                num_drafts += len(request.spec_token_ids)
             else:
                 prefilling.append(request)
+                request.spec_token_ids = []
+        # Drafts only take budget every decode row's own token leaves.
+        spare = plan.budget - len(decoding) if num_drafts else 0
+        for request in decoding:
+            if request.status is not RUNNING:
+                continue  # preempted earlier in this loop
+            drafts = request.spec_token_ids
+            if drafts:
+                request.spec_token_ids = []
+                drafts = self._clamp_drafts(request, drafts, spare)
+                spare -= len(drafts)
+            if plan.budget >= 1 + len(drafts):
+                self._schedule_running(request, 1 + len(drafts), plan, drafts)
         for request in prefilling:
             if plan.budget == 0:
                 break
@@ -192,11 +208,20 @@ class Scheduler:
         self._pending = {rid: self.running[rid] for rid in plan.scheduled}
         return output
 
-    def _schedule_running(self, request: Request, num_new: int, plan: _StepPlan) -> None:
-        """Allocate for and schedule a running request, preempting others while blocks are short."""
+    def _clamp_drafts(self, request: Request, drafts: list[int], spare: int) -> list[int]:
+        """Drafts within the spare budget that never carry the request past max_tokens (a bonus
+        token comes on top) or its last position past max_model_len - 2."""
+        room = min(spare, request.max_tokens - len(request.output_token_ids) - 1,
+                   self.config.max_model_len - 1 - request.num_tokens)
+        return list(drafts[: max(room, 0)])
+
+    def _schedule_running(self, request: Request, num_new: int, plan: _StepPlan,
+                          drafts: list[int] | None = None) -> None:
+        """Allocate for and schedule a running request, preempting others while blocks are short.
+        A decode with drafts allocates slots for them too (rejected ones are reused next step)."""
         while True:
             if self.kv_cache_manager.allocate_slots(request, num_new) is not None:
-                self._add_to_plan(request, num_new, plan)
+                self._add_to_plan(request, num_new, plan, drafts)
                 return
             victim = self._pick_victim()
             self._preempt(victim, plan)
@@ -253,18 +278,23 @@ class Scheduler:
             request.num_cached_tokens = num_computed
         self.running[request.req_id] = request
 
-    def _add_to_plan(self, request: Request, num_new: int, plan: _StepPlan) -> None:
+    def _add_to_plan(self, request: Request, num_new: int, plan: _StepPlan,
+                     drafts: list[int] | None = None) -> None:
         start = request.num_computed_tokens
         end = start + num_new
         req_id = request.req_id
+        if drafts:  # a decode verifying drafts: its last token, then the drafts, all sampled
+            token_ids, num_logits = request.token_slice(start, start + 1) + drafts, 1 + len(drafts)
+        else:  # sample once the chunk reaches the last known token
+            token_ids = request.token_slice(start, end)
+            num_logits = int(end == len(request.prompt_token_ids) + len(request.output_token_ids))
         plan.scheduled[req_id] = ScheduledRequest(  # positional: this runs once per request
             req_id,  # req_id
-            request.token_slice(start, end),  # token_ids
+            token_ids,  # token_ids
             start,  # num_computed_tokens
             num_new,  # num_scheduled_tokens
             self.kv_cache_manager.block_tables[req_id],  # block_ids: the live table, no copy
-            # num_logits: sample once the chunk reaches the last known token
-            1 if end == len(request.prompt_token_ids) + len(request.output_token_ids) else 0,
+            num_logits,  # num_logits
         )
         plan.budget -= num_new
 
@@ -303,6 +333,7 @@ class Scheduler:
         self.kv_cache_manager.update_block_hashes(victim)
         victim.status = RequestStatus.WAITING
         victim.num_computed_tokens = 0
+        victim.spec_token_ids = []
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.push_front(victim)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 import logging
 import re
 import types
@@ -111,6 +112,12 @@ def engine_config_from_flags() -> EngineConfig:
         hint, nullable = _optional(hints[name])
         if nullable and value in ("", []):
             value = None
+        elif name == "speculative_config" and value is not None:
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise app.UsageError(f"--{name} must be a JSON object, e.g. "
+                                     '\'{"method": "ngram", "num_speculative_tokens": 3}\'') from None
         elif typing.get_origin(hint) is tuple and value is not None:
             try:
                 value = tuple(int(v) for v in value)

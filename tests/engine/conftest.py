@@ -64,3 +64,30 @@ def tiny_engine():
     from engine.llm_engine import LLMEngine
 
     return LLMEngine(EngineConfig(**TINY_KNOBS), progress=False)
+
+
+# random:tiny compiled for speculative decoding (k = 3: L = S * 4 logit rows per bucket). Drafting
+# is never switched off by load or acceptance here unless a test installs another SpecDecoder;
+# `spec_off` runs the same compiled engine without drafts (the baseline of every comparison).
+TINY_SPEC_KNOBS = dict(
+    TINY_KNOBS, token_buckets=(4, 16, 64),
+    speculative_config=dict(method="ngram", num_speculative_tokens=3, disable_by_batch_size=None,
+                            disable_by_token_share=1.0, min_acceptance_rate=0.0),
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_spec_engine():
+    from engine.llm_engine import LLMEngine
+
+    return LLMEngine(EngineConfig(**TINY_SPEC_KNOBS), progress=False)
+
+
+@contextlib.contextmanager
+def spec_off(engine):
+    """Runs the block without drafts: every decode row is one token, as without speculation."""
+    engine.spec.enabled = False
+    try:
+        yield engine
+    finally:
+        engine.spec.enabled = True

@@ -15,7 +15,7 @@ def next_token(tokens: list[int], vocab: int) -> int:
     return (sum(tokens) * 31 + len(tokens) * 17) % (vocab - 2) + 2  # never 0 or 1
 
 
-def expected_output(prompt: list[int], max_tokens: int, vocab: int) -> list[int]:
+def expected_output(prompt: list[int], max_tokens: int, vocab: int, next_token=next_token) -> list[int]:
     seq, out = list(prompt), []
     for _ in range(max_tokens):
         t = next_token(seq, vocab)
@@ -25,8 +25,9 @@ def expected_output(prompt: list[int], max_tokens: int, vocab: int) -> list[int]
 
 
 class FakeRunner:
-    def __init__(self, vocab: int = 256):
+    def __init__(self, vocab: int = 256, next_token=next_token):
         self.sample_vocab_size = vocab
+        self.next_token = next_token  # (tokens, vocab) -> the greedy next token
         self.fed: dict[str, list[int]] = {}
         self.joined: set[str] = set()  # joined, not yet run
         self.num_steps = 0
@@ -45,7 +46,7 @@ class FakeRunner:
         self.num_steps += 1
         if self.fail_at_step == self.num_steps:
             raise RuntimeError("injected fault")
-        req_ids, tokens, logprobs = [], [], []
+        req_ids, tokens, logprobs, rejected = [], [], [], []
         for sr in out.scheduled:
             seq = self.fed[sr.req_id]
             if sr.req_id in self.joined:
@@ -54,8 +55,18 @@ class FakeRunner:
             assert len(seq) == sr.num_computed_tokens, (sr.req_id, len(seq), sr.num_computed_tokens)
             seq.extend(sr.token_ids)
             if sr.num_logits:
-                t = next_token(seq, self.sample_vocab_size)
+                # num_logits > 1: the row carries drafts; keep samples while they equal them
+                # (greedy verification), then the first that differs, and forget the rest.
+                n = sr.num_logits
+                drafts = sr.token_ids[len(sr.token_ids) - n + 1 :]
+                kept = []
+                for j in range(n):
+                    kept.append(self.next_token(seq[: len(seq) - n + 1 + j], self.sample_vocab_size))
+                    if j == n - 1 or kept[-1] != drafts[j]:
+                        break
+                del seq[len(seq) - (n - len(kept)) :]
                 req_ids.append(sr.req_id)
-                tokens.append([t])
-                logprobs.append([TokenLogprobs(-0.5, [t], [-0.5])])
-        return StepResult(req_ids, tokens, logprobs)
+                tokens.append(kept)
+                rejected.append(n - len(kept))
+                logprobs.append([TokenLogprobs(-0.5, [t], [-0.5]) for t in kept])
+        return StepResult(req_ids, tokens, logprobs, rejected)

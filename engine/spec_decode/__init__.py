@@ -1,0 +1,25 @@
+"""Speculative decoding: drafts verified inside the normal ragged step (DESIGN.md section 13).
+
+One step with speculation, in order:
+ 1. Before `Scheduler.schedule()`, the engine's `SpecDecoder` (controller.py) asks the load switch
+    (switch.py) whether this step speculates at all (decode rows and their share of the token
+    budget, with hysteresis), picks the decode rows whose acceptance EMA allows drafting (or that
+    are due a re-probe), and has the proposer (ngram.py, draft_model.py; one interface, base.py)
+    write up to k drafts into each one's `Request.spec_token_ids`.
+ 2. The scheduler schedules such a row as 1 + d tokens (its last token and d <= k drafts), counts
+    them in the token budget, allocates their KV slots, and asks for 1 + d logit rows.
+ 3. The compiled step samples every logit row exactly as without speculation (same rng step per
+    output index) and keeps the longest prefix whose samples equal the drafts, plus the first
+    sample that differs (the bonus token): greedy prefix matching, and for point-mass drafts exact
+    rejection sampling (verify.py). Penalties see the row's earlier drafts; only kept tokens are
+    counted in the request table.
+ 4. The runner returns the kept tokens and num_rejected_tokens; `Scheduler.update()` rolls
+    num_computed_tokens back over the rejected positions (their slots are rewritten next step).
+ 5. The controller records drafted / accepted / emitted tokens per position and updates the
+    request's acceptance EMA.
+k is one value per engine, so the compiled buckets (T, S, L = S * (1 + k)) never change.
+"""
+
+from engine.spec_decode.config import SpeculativeConfig
+
+__all__ = ["SpeculativeConfig"]

@@ -1,0 +1,183 @@
+"""Speculative decoding across the load curve: off / always on / automatic, per concurrency.
+
+    python -m experiments.exp_speculative --workload=rewrite --concurrencies=1,4,16 \\
+        --num_requests=8 --output_len=96
+
+1. One engine, compiled once for k drafts (`--num_speculative_tokens`, `--method`); the arms swap
+   only its SpecDecoder (no recompile): `off` drafts nothing, `on` always drafts (no load or
+   acceptance switch), `auto` uses the SpeculativeConfig defaults (both switches).
+2. Workloads: `rewrite` asks the model to repeat a passage taken from ShareGPT replies (drafts from
+   the prompt hit), `sharegpt` uses ShareGPT prompts as they are. Greedy, ignore_eos, `--output_len`
+   new tokens per request.
+3. For each concurrency c, a closed loop keeps c requests in flight until `--num_requests` x c
+   have finished (at least `--num_requests`); it records output tokens/s, the p95 inter-token
+   latency (a step that emits several tokens of a request counts each at the average gap), and the
+   speculation counters. The arms interleave per concurrency, so they share the machine's state.
+4. Writes JSON and a markdown table (`--out_dir`), and prints the table, the speed-up of `on` and
+   `auto` over `off` at each concurrency, and the crossover (the first c where `on` loses to `off`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import numpy as np
+from absl import app, flags
+
+_MODEL = flags.DEFINE_string("model", "default", "target model spec")
+_METHOD = flags.DEFINE_enum("method", "ngram", ["ngram", "draft_model"], "proposer")
+_DRAFT = flags.DEFINE_string("draft_model", None, "draft_model: the draft's model spec")
+_K = flags.DEFINE_integer("num_speculative_tokens", 3, "k")
+_WORKLOAD = flags.DEFINE_enum("workload", "rewrite", ["rewrite", "sharegpt"], "prompts")
+_CONC = flags.DEFINE_list("concurrencies", ["1", "4", "16"], "requests in flight")
+_ARMS = flags.DEFINE_list("arms", ["off", "on", "auto"], "arms, interleaved per concurrency")
+_NUM = flags.DEFINE_integer("num_requests", 8, "requests per concurrency (at least c)")
+_OUT_LEN = flags.DEFINE_integer("output_len", 96, "new tokens per request")
+_MAX_SEQS = flags.DEFINE_integer("max_num_seqs", 16, "max_num_seqs")
+_BUDGET = flags.DEFINE_integer("max_num_batched_tokens", 256, "token budget")
+_BUCKETS = flags.DEFINE_list("token_buckets", [], "token buckets (default: derived)")
+_OUT_DIR = flags.DEFINE_string("out_dir", "experiments/results", "where the JSON and table go")
+
+REWRITE = ("Repeat the following passage exactly, word for word, and say nothing else.\n\n{}")
+
+
+def _prompts(tokenizer, workload: str, n: int) -> list[list[int]]:
+    from experiments.datasets import iter_json_array, sharegpt_path
+
+    texts = []
+    for record in iter_json_array(sharegpt_path()):
+        turns = record.get("conversations") or []
+        if len(turns) < 2:
+            continue
+        text = turns[1 if workload == "rewrite" else 0].get("value", "")
+        if 200 <= len(text) <= 700 and text.isascii():
+            texts.append(text)
+        if len(texts) == n:
+            break
+    out = []
+    for text in texts:
+        content = REWRITE.format(text) if workload == "rewrite" else text
+        chat = tokenizer.apply_chat_template([{"role": "user", "content": content}])
+        out.append(tokenizer.encode(chat, add_special_tokens=False))
+    return out
+
+
+@dataclasses.dataclass
+class ArmResult:
+    arm: str
+    concurrency: int
+    num_requests: int
+    output_tokens: int
+    seconds: float
+    tokens_per_s: float
+    itl_p95_ms: float
+    acceptance_rate: float
+    mean_accepted_length: float
+    num_switch_offs: int
+
+
+def _run_arm(engine, prompts, arm: str, c: int, spec_for) -> ArmResult:
+    from engine.sampling_params import SamplingParams
+
+    engine.spec = spec_for(arm)
+    params = SamplingParams(temperature=0.0, max_tokens=_OUT_LEN.value, ignore_eos=True)
+    total = max(_NUM.value, c)
+    next_id, done, gaps, last = 0, 0, [], {}
+    tokens = 0
+    start = time.perf_counter()
+    while done < total:
+        while next_id < total and len(engine._requests) < c:
+            rid = f"{arm}-{c}-{next_id}"
+            engine.add_request(rid, prompts[next_id % len(prompts)], params)
+            last[rid] = (time.perf_counter(), 0)
+            next_id += 1
+        for out in engine.step():
+            now = time.perf_counter()
+            n = len(out.outputs[0].token_ids)
+            t0, n0 = last[out.request_id]
+            if n0 and n > n0:  # inter-token gaps after the first token
+                gaps += [(now - t0) / (n - n0)] * (n - n0)
+            last[out.request_id] = (now, n)
+            if out.finished:
+                done += 1
+                tokens += n
+    seconds = time.perf_counter() - start
+    stats = engine.spec.stats() if engine.spec is not None else None
+    return ArmResult(arm, c, total, tokens, seconds, tokens / seconds,
+                     1000 * float(np.percentile(gaps, 95)) if gaps else 0.0,
+                     stats.acceptance_rate if stats else 0.0,
+                     stats.mean_accepted_length if stats else 0.0,
+                     stats.num_switch_offs if stats else 0)
+
+
+def main(argv) -> None:
+    del argv
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.spec_decode.base import make_spec_decoder
+    from engine.spec_decode.config import SpeculativeConfig
+
+    concurrencies = [int(c) for c in _CONC.value]
+    spec = dict(method=_METHOD.value, num_speculative_tokens=_K.value,
+                **({"model": _DRAFT.value} if _DRAFT.value else {}))
+    knobs = dict(model=_MODEL.value, max_num_seqs=_MAX_SEQS.value,
+                 max_num_batched_tokens=_BUDGET.value, speculative_config=spec)
+    if _BUCKETS.value:
+        knobs["token_buckets"] = tuple(int(b) for b in _BUCKETS.value)
+    start = time.perf_counter()
+    engine = LLMEngine(EngineConfig(**knobs))
+    print(f"engine built in {time.perf_counter() - start:.1f} s", flush=True)
+    proposer = engine.spec.proposer
+    budget = engine.config.max_num_batched_tokens
+    auto = SpeculativeConfig(**spec)
+    always = dataclasses.replace(auto, disable_by_batch_size=None, disable_by_token_share=1.0,
+                                 min_acceptance_rate=0.0)
+
+    def spec_for(arm):
+        if arm == "off":
+            s = make_spec_decoder(auto, engine.runner, max_num_batched_tokens=budget, proposer=proposer)
+            s.enabled = False
+            return s
+        return make_spec_decoder(always if arm == "on" else auto, engine.runner,
+                                 max_num_batched_tokens=budget, proposer=proposer)
+
+    prompts = _prompts(engine.tokenizer, _WORKLOAD.value, max(_NUM.value, max(concurrencies)))
+    _run_arm(engine, prompts[:1], "on", 1, spec_for)  # warm-up
+    results = []
+    for c in concurrencies:
+        for arm in _ARMS.value:
+            r = _run_arm(engine, prompts, arm, c, spec_for)
+            results.append(r)
+            print(f"c={c:3d} {arm:4s} {r.tokens_per_s:7.2f} tok/s  itl_p95 {r.itl_p95_ms:7.1f} ms  "
+                  f"accept {r.acceptance_rate:.2f}  mean_len {r.mean_accepted_length:.2f}", flush=True)
+    by = {(r.arm, r.concurrency): r for r in results}
+    lines = [f"# exp_speculative: {_WORKLOAD.value}, {_METHOD.value}, k={_K.value}, model {_MODEL.value}", "",
+             "| c | arm | tok/s | vs off | ITL p95 ms | acceptance | mean accepted len | switch-offs |",
+             "|---|---|---|---|---|---|---|---|"]
+    crossover = None
+    for r in results:
+        off = by.get(("off", r.concurrency))
+        ratio = r.tokens_per_s / off.tokens_per_s if off else float("nan")
+        lines.append(f"| {r.concurrency} | {r.arm} | {r.tokens_per_s:.2f} | {ratio:.2f}x | {r.itl_p95_ms:.1f} | "
+                     f"{r.acceptance_rate:.2f} | {r.mean_accepted_length:.2f} | {r.num_switch_offs} |")
+        if r.arm == "on" and off and ratio < 1 and crossover is None:
+            crossover = r.concurrency
+    lines += ["", f"crossover (first c where always-on loses to off): {crossover}"]
+    table = "\n".join(lines)
+    print(table)
+    os.makedirs(_OUT_DIR.value, exist_ok=True)
+    name = f"speculative_{_WORKLOAD.value}_{_METHOD.value}"
+    with open(os.path.join(_OUT_DIR.value, name + ".json"), "w") as f:
+        json.dump({"command": "python -m experiments.exp_speculative " + " ".join(sys.argv[1:]),
+                   "results": [dataclasses.asdict(r) for r in results], "crossover": crossover,
+                   "load_average": os.getloadavg()}, f, indent=1)
+    with open(os.path.join(_OUT_DIR.value, name + ".md"), "w") as f:
+        f.write(table + "\n")
+
+
+if __name__ == "__main__":
+    app.run(main)
