@@ -74,8 +74,10 @@ class CompiledGrammar:
     template: llguidance.LLMatcher  # never advanced; each sequence gets a copy
     compile_seconds: float
 
+    mask_words: int  # int32 words of llguidance's mask rows (ceil(its vocabulary / 32))
+
     def new_state(self) -> GrammarState:
-        return GrammarState(self.template.deep_copy())
+        return GrammarState(self.template.deep_copy(), self.mask_words)
 
 
 @dataclasses.dataclass
@@ -121,7 +123,7 @@ class GrammarCompiler:
         if matcher.is_error():
             param = params.error_param
             raise ParamError(param, f"'{param}' could not be compiled: {matcher.get_error()[:500]}")
-        compiled = CompiledGrammar(key, matcher, time.perf_counter() - start)
+        compiled = CompiledGrammar(key, matcher, time.perf_counter() - start, -(-ll.vocab_size // 32))
         with self._lock:
             self.stats.num_compiled += 1
             self.stats.compile_seconds += compiled.compile_seconds

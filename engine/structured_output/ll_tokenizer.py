@@ -6,7 +6,10 @@
   each id's bytes (a SentencePiece piece with "\u2581" as a space and "<0xAB>" as that byte;
   control tokens are special and have no bytes).
 `n_vocab` is the sampled vocabulary (the model's logits may be cut to the tokenizer's size), and
-every id in `eos_token_ids` ends a grammar that accepts.
+every id in `eos_token_ids` ends a grammar that accepts. A vocabulary without an EOS (random
+models' 256 bytes) gets a virtual one at id `vocab_size`: llguidance needs one, its mask bit is
+dropped (the mask rows are wider by a word then, see masks.py), and such a grammar ends when it
+is complete (the engine stops it) rather than by sampling EOS.
 """
 
 from __future__ import annotations
@@ -56,13 +59,18 @@ def _byte_tokens(tokenizer, vocab_size: int) -> tuple[list[bytes], list[int]]:
 
 def build_ll_tokenizer(tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
     """The llguidance tokenizer over ids [0, vocab_size) of `tokenizer` (text.Tokenizer or
-    ByteTokenizer); ValueError when it has no EOS (a grammar could never end)."""
+    ByteTokenizer), plus a virtual EOS at vocab_size when it has none."""
     eos = sorted(getattr(tokenizer, "eos_token_ids", ()) or ())
     if not eos and tokenizer.eos_token_id is not None:
         eos = [tokenizer.eos_token_id]
     eos = [e for e in eos if e < vocab_size]
     if not eos:
-        raise ValueError("structured output needs a tokenizer with an EOS token inside the vocabulary")
+        tokens = [bytes([i]) if i < 256 else b"" for i in range(vocab_size)] + [b""]
+        if hasattr(tokenizer, "id_to_piece"):
+            tokens[:vocab_size], _ = _sentencepiece_tokens(tokenizer, vocab_size)
+        wrapper = _VocabWrapper(tokens, vocab_size, None, [vocab_size],
+                                lambda text: tokenizer.encode(text, add_special_tokens=False))
+        return llguidance.LLTokenizer(wrapper, n_vocab=vocab_size + 1, eos_token=vocab_size)
     backend = getattr(tokenizer, "backend", None)
     if backend is not None and hasattr(backend, "to_str"):
         return llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos)

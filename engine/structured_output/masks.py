@@ -16,8 +16,9 @@ from llguidance.numpy import fill_next_token_bitmask_par
 
 
 class GrammarState:
-    def __init__(self, matcher: llguidance.LLMatcher):
+    def __init__(self, matcher: llguidance.LLMatcher, mask_words: int):
         self.matcher = matcher
+        self.mask_words = mask_words  # words llguidance writes per row (a virtual EOS may add one)
         self.num_tokens = 0  # tokens consumed
 
     def accept(self, tokens: list[int]) -> bool:
@@ -47,7 +48,14 @@ class MaskFiller:
         """mask: int32[M, W], C-contiguous; row rows[i] gets the next-token mask of states[i]."""
         if self._executor is None:
             self._executor = llguidance.LLExecutor(self._num_threads)
-        fill_next_token_bitmask_par(self._executor, [(s.matcher, int(r)) for s, r in zip(states, rows)], mask)
+        width = mask.shape[1]
+        if all(s.mask_words == width for s in states):
+            fill_next_token_bitmask_par(self._executor, [(s.matcher, int(r)) for s, r in zip(states, rows)], mask)
+            return
+        # llguidance's rows are wider (a virtual EOS past the vocabulary): fill aside, keep W words.
+        scratch = np.zeros((len(states), max(s.mask_words for s in states)), np.int32)
+        fill_next_token_bitmask_par(self._executor, [(s.matcher, i) for i, s in enumerate(states)], scratch)
+        mask[rows] = scratch[:, :width]
 
 
 class BadWordsState:
