@@ -125,11 +125,12 @@ def template_tools(plan: ToolPlan) -> list[dict]:
 
 
 def hermes_system_prompt(plan: ToolPlan) -> str:
-    listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in template_tools(plan))
-    return ("You are a function calling AI model. You may call one or more functions to assist with the user "
-            f"query. Here are the available tools: <tools>\n{listing}\n</tools>\nFor each function call, "
-            "return a JSON object with the function name and arguments within <tool_call></tool_call> tags:\n"
-            '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+    """A compact Hermes-style tools prompt (a named choice shows only its function)."""
+    tools = [plan.tool(plan.name)] if plan.choice == "named" else plan.tools
+    listing = "\n".join(json.dumps({k: t[k] for k in ("name", "description", "parameters") if t[k]},
+                                   ensure_ascii=False, separators=(",", ":")) for t in tools)
+    return (f"You can call functions. Tools:\n<tools>\n{listing}\n</tools>\nTo call one, answer "
+            '<tool_call>{"name": <name>, "arguments": <arguments object>}</tool_call>')
 
 
 def new_call(name: str, arguments: str) -> dict:

@@ -11,7 +11,7 @@ KEYS = ["name", "age", "color", "size", "kind", "score", "tags", "ok", "level", 
 def _leaf(rng: random.Random) -> dict:
     kind = rng.choice(["string", "integer", "number", "boolean", "enum", "array"])
     if kind == "string":
-        return {"type": "string", "minLength": rng.randint(0, 2), "maxLength": rng.randint(3, 8)}
+        return {"type": "string", "minLength": rng.randint(0, 2), "maxLength": rng.randint(3, 6)}
     if kind == "integer":
         low = rng.randint(-50, 50)
         return {"type": "integer", "minimum": low, "maximum": low + rng.randint(0, 200)}
@@ -28,8 +28,8 @@ def _leaf(rng: random.Random) -> dict:
 
 
 def random_schema(rng: random.Random, depth: int = 0) -> dict:
-    keys = rng.sample(KEYS, rng.randint(1, 3))
-    properties = {k: (random_schema(rng, depth + 1) if depth == 0 and rng.random() < 0.25 else _leaf(rng))
+    keys = rng.sample(KEYS, rng.randint(1, 3 - depth))
+    properties = {k: (random_schema(rng, depth + 1) if depth == 0 and rng.random() < 0.3 else _leaf(rng))
                   for k in keys}
     required = [k for k in keys if rng.random() < 0.7] or keys[:1]
     return {"type": "object", "properties": properties, "required": required, "additionalProperties": False}
