@@ -141,6 +141,14 @@ class ServerMetrics:
                 lines += _scalar("counter", "num_failed_steps_total", "Engine steps whose runner call raised "
                                  "(their requests failed; the engine kept serving).", [({}, failed)])
             lines += _scalar("counter", "num_compilations_total", "XLA compilations of the step function.", [({}, stats.num_compilations)])
+            for name, kind, help_text in (
+                    ("num_constrained_requests", "counter", "Requests added with structured output (a grammar)."),
+                    ("num_grammars_compiled", "counter", "Structured-output grammars compiled (LRU misses)."),
+                    ("grammar_compile_seconds", "counter", "Seconds spent compiling grammars (off the step loop)."),
+                    ("mask_fill_seconds", "counter", "Host seconds the step loop spent filling token masks.")):
+                value = getattr(stats, name, None)
+                if value is not None:
+                    lines += _scalar(kind, name + "_total", help_text, [({}, value)])
         finished = [({"finished_reason": reason}, count) for reason, count in sorted(self.requests_finished.items())]
         lines += _scalar("counter", "request_success_total", "Finished requests by finish reason.", finished)
         responses = [({"status": status}, count) for status, count in sorted(self.http_responses.items())]

@@ -10,7 +10,7 @@ import openai
 import pydantic
 import pytest
 from conftest import REAL_MODEL as MODEL
-from server_launcher import http
+from server_launcher import http, parse_metrics
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                             "unit": {"enum": ["celsius", "fahrenheit"]}},
@@ -98,3 +98,6 @@ def test_structured_outputs_logit_bias_and_token_routes(client, real_server):
     assert info.value.body["param"] == "logit_bias"
     status, _, text = http("POST", real_server.url + "/detokenize", {"tokens": [10**9]})
     assert status == 400 and json.loads(text)["error"]["param"] == "tokens"
+    metrics = parse_metrics(http("GET", real_server.url + "/metrics")[2])
+    assert metrics["jaxserve:num_constrained_requests_total"] >= 2
+    assert metrics["jaxserve:grammar_compile_seconds_total"] > 0
