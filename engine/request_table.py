@@ -77,7 +77,8 @@ class RowParams:
 
     @property
     def constrained(self) -> bool:
-        """Its logit rows need a host-filled token mask each step."""
+        """Its logit rows need a host-filled token mask each step. Speculative decoding must skip
+        such requests (no draft tokens): the batch builder refuses a constrained row with drafts."""
         return self.grammar is not None or self.banned is not None
 
     @property
