@@ -13,7 +13,7 @@ import pytest
 from engine.model_runner import num_backend_compilations
 from engine.sampling_params import ParamError, SamplingParams
 from engine.structured_output import StructuredOutputsParams
-from tests.engine.conftest import run_to_completion
+from tests.engine.conftest import run_to_completion, scheduler_as
 from tests.engine.structured_cases import random_schemas
 
 PROMPT = "JSON object:\n"
@@ -131,3 +131,18 @@ def test_compiler_lru_and_errors_name_the_field(tiny_engine):
     with pytest.raises(ParamError) as info:
         SamplingParams(logit_bias={1: 100.5})
     assert info.value.param == "logit_bias"
+
+
+def test_grammar_state_survives_preemption_and_n_samples(tiny_engine):
+    schema = {"type": "object", "properties": {"v": {"type": "array", "items": {"enum": ["ab", "cd"]},
+              "minItems": 3, "maxItems": 3}}, "required": ["v"], "additionalProperties": False}
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=40, seed=5,
+                            structured_outputs=StructuredOutputsParams(json=schema))
+    with scheduler_as(tiny_engine, enable_prefix_caching=False, num_kv_blocks=17) as sched:
+        done = run_to_completion(tiny_engine, [(f"p{i}", "x" * 40, params) for i in range(4)])
+        assert sched.stats.num_preemptions > 0
+    for out in done.values():
+        assert len(out.outputs) == 2
+        for sample in out.outputs:
+            assert sample.finish_reason == "stop", sample.text
+            jsonschema.validate(json.loads(sample.text), schema)
