@@ -72,9 +72,6 @@ class BadWordsState:
         self.recent = (self.recent + list(tokens))[-(self.longest - 1):] if self.longest > 1 else []
         return True
 
-    finished = False
-    error = None
-
     def banned(self) -> list[int]:
         out = []
         for seq in self.sequences:

@@ -57,6 +57,7 @@ import time
 from aiohttp import web
 
 from engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineError
+from engine.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from engine.metrics import ServerMetrics
 from entrypoints.openai.http_guard import GuardedAppRunner
 from entrypoints.openai.prepare import Job, Preparer, detokenize_body, tokenize_body, vocab_size_of
@@ -191,7 +192,7 @@ class OpenAIServer:
 
     async def _metrics(self, request: web.Request) -> web.Response:
         text = self.metrics.render(self.async_engine.stats(), num_pending=self.async_engine.num_pending())
-        return web.Response(text=text, content_type="text/plain", charset="utf-8", headers={"X-Prometheus-Format": "0.0.4"})
+        return web.Response(body=text.encode("utf-8"), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
     async def _models(self, request: web.Request) -> web.Response:
         data = [{"id": name, "object": "model", "created": self.created, "owned_by": "jaxserve",
