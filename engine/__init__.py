@@ -1,4 +1,4 @@
-"""jaxserve's engine: `from engine import LLM, SamplingParams`.
+"""jaxserve's engine: `from engine import LLM, SamplingParams, StructuredOutputsParams`.
 
 The runner (fixed-shape jitted steps over the paged cache), the sampler, LLMEngine, the offline
 LLM API and the async engine. The OpenAI-compatible server is in `entrypoints/openai/`
@@ -8,6 +8,7 @@ LLM API and the async engine. The OpenAI-compatible server is in `entrypoints/op
 from engine.config import EngineConfig
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutputsParams
 
 
 def __getattr__(name):
@@ -24,4 +25,5 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams",
+           "StructuredOutputsParams"]

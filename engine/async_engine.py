@@ -138,9 +138,10 @@ class AsyncLLMEngine:
         return len(self._trackers)
 
     async def add_request(self, stream: RequestStream, request_id: str, prompt: str | list[int],
-                          params: SamplingParams, *, group_id: str | None = None) -> None:
+                          params: SamplingParams, *, group_id: str | None = None, grammar=None) -> None:
         """Hands one request to the engine; its outputs go to `stream`. `group_id` ties the
-        prompts of one client request together (the engine's fairness cap). Raises the engine's
+        prompts of one client request together (the engine's fairness cap); `grammar` is its
+        structured output grammar, compiled on the caller's thread. Raises the engine's
         ValueError for a bad request, EngineDeadError when the engine cannot serve, EngineError
         when the step thread is gone."""
         if self.dead_reason is not None:
@@ -153,7 +154,7 @@ class AsyncLLMEngine:
         self._trackers[request_id] = _Tracker(stream=stream, arrival=arrival)
         with self._lock:
             self._num_pending += params.n
-        self._commands.put(AddCommand(request_id, prompt, params, arrival, future, group_id))
+        self._commands.put(AddCommand(request_id, prompt, params, arrival, future, group_id, grammar))
         try:
             await asyncio.wrap_future(future)
         except BaseException:
@@ -314,8 +315,9 @@ class AsyncLLMEngine:
         if not command.future.set_running_or_notify_cancel():
             return  # the handler gave up waiting (client gone)
         try:
+            extra = {"grammar": command.grammar} if command.grammar is not None else {}
             self.engine.add_request(command.request_id, command.prompt, command.params,
-                                    arrival_time=command.arrival_time, group_id=command.group_id)
+                                    arrival_time=command.arrival_time, group_id=command.group_id, **extra)
         except Exception as exc:  # noqa: BLE001 - goes back to the handler
             if isinstance(exc, ValueError):
                 command.future.set_exception(exc)

@@ -6,6 +6,7 @@ batch never leaves half the batch running.
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 from collections.abc import Sequence
 
@@ -58,11 +59,13 @@ class LLM:
                 raise ValueError(f"sampling_params: expected SamplingParams, got {type(p).__name__}")
         for prompt, add_special, _ in items:  # validate everything before queueing anything
             self.engine.tokenize(prompt, add_special)
+        grammars = self._compile_grammars(params)
         ids = []
         try:
-            for (prompt, add_special, text), p in zip(items, params):
+            for (prompt, add_special, text), p, grammar in zip(items, params, grammars):
                 rid = f"offline-{next(self._ids)}"
-                self.engine.add_request(rid, prompt, p, add_special_tokens=add_special, prompt_text=text)
+                self.engine.add_request(rid, prompt, p, add_special_tokens=add_special, prompt_text=text,
+                                        grammar=grammar)
                 ids.append(rid)
         except ValueError:
             for rid in ids:
@@ -76,6 +79,17 @@ class LLM:
                         results[out.request_id] = out
                         bar.update(1)
         return [results[rid] for rid in ids]
+
+
+    def _compile_grammars(self, params: list[SamplingParams]) -> list:
+        """Every request's structured-output grammar, compiled in parallel (llguidance drops the
+        GIL); a bad one raises its ParamError before anything is queued."""
+        wanted = [p.structured_outputs for p in params]
+        if not any(w is not None for w in wanted):
+            return [None] * len(params)
+        compile_one = lambda so: None if so is None else self.engine.compile_grammar(so)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+            return list(pool.map(compile_one, wanted))
 
 
 def _normalize_prompts(prompts) -> list:

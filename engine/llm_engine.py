@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
 import time
 import zlib
 
 from engine.builder import EngineParts, build_parts, scheduler_config_for
 from engine.config import EngineConfig
+from engine.logit_controls import build_logit_controls
 from engine.model_runner import num_backend_compilations
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.request_state import RequestState, SequenceState
@@ -37,6 +39,7 @@ from engine.request_table import RowParams
 from engine.sampling_params import ParamError, SamplingParams
 from engine.spec_decode.base import make_spec_decoder
 from engine.spec_decode.controller import SpecDecodeStats
+from engine.structured_output.masks import BadWordsState
 from scheduler import FinishReason, Request, Scheduler
 
 # Knobs that change only the scheduler (no compiled shape): reconfigure_scheduler() takes these.
@@ -65,6 +68,11 @@ class EngineStats:
     padded_token_fraction: float  # padding tokens / all tokens fed so far
     num_failed_steps: int = 0  # steps whose runner call raised
     spec_decode: SpecDecodeStats | None = None  # speculative decoding counters; None: off
+    num_constrained_requests: int = 0  # requests added with structured output
+    num_grammars_compiled: int = 0  # grammar LRU misses
+    grammar_compile_seconds: float = 0.0  # total time building grammars (on the callers' threads)
+    mask_fill_seconds: float = 0.0  # host time filling token masks in the step loop
+    num_mask_steps: int = 0  # steps that filled at least one token mask
 
 
 class LLMEngine:
@@ -107,6 +115,9 @@ class LLMEngine:
         self.spec = make_spec_decoder(self.config.speculative_config, self.runner,
                                       max_num_batched_tokens=self.config.max_num_batched_tokens,
                                       proposer=parts.proposer)
+        self._grammar_compiler = None
+        self._compiler_lock = threading.Lock()
+        self._num_constrained_requests = 0
 
     def reconfigure_scheduler(self, **changes) -> Scheduler:
         """A new scheduler with changed knobs (SCHEDULER_KNOBS, EngineConfig's names), over the
@@ -170,9 +181,11 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None, *, add_special_tokens: bool = True,
                     priority: int = 0, prompt_text: str | None = None,
-                    group_id: str | None = None) -> None:
+                    group_id: str | None = None, grammar=None) -> None:
         """Queues a request. `group_id` ties the prompts of one client request together for the
-        fairness cap (EngineConfig.max_request_share); by default the request is its own group."""
+        fairness cap (EngineConfig.max_request_share); by default the request is its own group.
+        `grammar`: params.structured_outputs already compiled (compile_grammar, on another
+        thread); without it a constrained request is compiled here (the LRU makes a repeat free)."""
         self._check_alive()
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -184,6 +197,9 @@ class LLMEngine:
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise ParamError("logprobs", f"logprobs: at most {self.config.max_logprobs}, got {params.logprobs}")
         ids = self.tokenize(prompt, add_special_tokens)
+        if params.structured_outputs is not None and grammar is None:
+            grammar = self.compile_grammar(params.structured_outputs)
+        bias, bad_sequences = build_logit_controls(params, self.tokenizer, self.runner.sample_vocab_size)
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -201,7 +217,9 @@ class LLMEngine:
             top_k = min(params.top_k, self.runner.sample_vocab_size) if params.top_k > 0 else 0
             row = RowParams(params.temperature, top_k, params.top_p, params.min_p,
                             params.presence_penalty, params.frequency_penalty,
-                            params.repetition_penalty, seed, params.logprobs is not None)
+                            params.repetition_penalty, seed, params.logprobs is not None, bias=bias,
+                            grammar=grammar.new_state() if grammar is not None else None,
+                            banned=BadWordsState(bad_sequences) if bad_sequences else None)
             sched_req = Request(seq_id, ids, max_tokens, eos_token_id=None if params.ignore_eos
                                 else self.tokenizer.eos_token_id, stop_token_ids=stop_ids,
                                 ignore_eos=params.ignore_eos, priority=priority, arrival_time=arrival,
@@ -213,6 +231,21 @@ class LLMEngine:
             self._seqs[seq.seq_id] = seq
         self._requests[request_id] = state
         self._num_prompt_tokens += len(ids)
+        self._num_constrained_requests += grammar is not None
+
+    @property
+    def grammar_compiler(self):
+        """The engine's GrammarCompiler (built on first use; any thread may call it)."""
+        with self._compiler_lock:
+            if self._grammar_compiler is None:
+                from engine.structured_output.compiler import GrammarCompiler
+
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.runner.sample_vocab_size)
+            return self._grammar_compiler
+
+    def compile_grammar(self, structured_outputs):
+        """StructuredOutputsParams -> CompiledGrammar; thread-safe, ParamError naming the field."""
+        return self.grammar_compiler.compile(structured_outputs)
 
     def abort_request(self, request_id: str) -> bool:
         state = self._requests.pop(request_id, None)
@@ -259,6 +292,8 @@ class LLMEngine:
                 seq.error = f"{type(exc).__name__}: {exc}"
                 finished[seq_id] = seq.request
                 stopped = False
+            if not stopped and seq_id not in finished and seq.row.constrained:
+                stopped = self._advance_mask_state(seq, kept, finished)
             if stopped and seq_id not in finished:
                 self.scheduler.finish_request(seq_id, FinishReason.STOP)
                 finished[seq_id] = seq.request
@@ -266,6 +301,22 @@ class LLMEngine:
         for seq_id, req in finished.items():
             self._finish_seq(seq_id, str(req.finish_reason or FinishReason.STOP), now, touched)
         return self._collect(touched)
+
+    def _advance_mask_state(self, seq, kept: list[int], finished: dict) -> bool:
+        """Feeds the kept tokens to the sequence's grammar / bad-word state; True when the
+        grammar is complete (the sequence stops). A rejected token fails the sequence."""
+        row = seq.row
+        if row.banned is not None:
+            row.banned.accept(kept)
+        grammar = row.grammar
+        if grammar is None:
+            return False
+        if not grammar.accept(kept):
+            self.scheduler.abort_request(seq.seq_id)
+            seq.error = f"structured output: the grammar rejected a sampled token: {grammar.error}"
+            finished[seq.seq_id] = seq.request
+            return False
+        return grammar.finished
 
     def _fail_step(self, out, exc: Exception) -> list[RequestOutput]:
         self.scheduler.discard_step(out)
@@ -307,6 +358,8 @@ class LLMEngine:
         real = getattr(self.runner, "num_real_tokens", 0)
         padded = getattr(self.runner, "num_padded_tokens", 0)
         fed = real + padded
+        compiler = self._grammar_compiler
+        builder = getattr(self.runner, "builder", None)
         return EngineStats(
             num_running=s.num_running, num_waiting=s.num_waiting, kv_cache_usage=s.kv_cache_usage,
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
@@ -315,7 +368,12 @@ class LLMEngine:
             num_compilations=num_backend_compilations(), num_steps=s.num_steps,
             num_free_blocks=s.num_free_blocks, num_cached_blocks=s.num_cached_blocks,
             padded_token_fraction=padded / fed if fed else 0.0, num_failed_steps=self._num_failed_steps,
-            spec_decode=self.spec.stats() if self.spec is not None else None)
+            spec_decode=self.spec.stats() if self.spec is not None else None,
+            num_constrained_requests=self._num_constrained_requests,
+            num_grammars_compiled=compiler.stats.num_compiled if compiler else 0,
+            grammar_compile_seconds=compiler.stats.compile_seconds if compiler else 0.0,
+            mask_fill_seconds=getattr(builder, "mask_seconds", 0.0),
+            num_mask_steps=getattr(builder, "num_mask_steps", 0))
 
 
 __all__ = ["CompletionOutput", "EngineDeadError", "EngineStats", "LLMEngine"]

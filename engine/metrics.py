@@ -1,18 +1,23 @@
-"""Prometheus text exposition (format 0.0.4), written by hand: counters, gauges and histograms.
+"""Prometheus metrics through `prometheus_client` (the exposition format, escaping, histograms and
+process metrics Prometheus setups expect), one registry per server.
 
 The server keeps one `ServerMetrics`: latency histograms it observes itself as outputs arrive on
 the event loop (time to first token, inter-token latency, end-to-end latency), request counters by
 finish reason, and the engine's counters and gauges copied from the latest `EngineStats` snapshot
-at scrape time. Every name starts with `jaxserve:`. Everything here runs on the event-loop thread,
-so nothing is locked.
+at scrape time (a custom collector). Every jaxserve name starts with `jaxserve:`; the registry also
+carries the standard `process_*` and `python_*` metrics. Everything here runs on the event-loop
+thread.
 """
 
 from __future__ import annotations
 
-import bisect
-import math
+import prometheus_client
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+prometheus_client.disable_created_metrics()  # no "_created" series: the names stay what they were
 
 PREFIX = "jaxserve:"
+CONTENT_TYPE = prometheus_client.CONTENT_TYPE_PLAIN_0_0_4  # text/plain; version=0.0.4; charset=utf-8
 
 # Bucket upper bounds in seconds (the +Inf bucket is implicit).
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -20,98 +25,140 @@ ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
 
 
-def _format_value(value: float) -> str:
-    if isinstance(value, int) or (isinstance(value, float) and value.is_integer() and abs(value) < 2**53):
-        return str(int(value))
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(float(value))
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _format_labels(labels: dict[str, str]) -> str:
-    if not labels:
-        return ""
-    return "{" + ",".join(f'{key}="{_escape(str(val))}"' for key, val in labels.items()) + "}"
-
-
 class Histogram:
-    """Cumulative-bucket histogram; `observe` is O(log buckets)."""
+    """A prometheus_client histogram in `registry` that also keeps its count and sum at hand."""
 
-    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...]):
+    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...], registry=None):
         self.name = PREFIX + name
-        self.help_text = help_text
-        self.buckets = tuple(sorted(buckets))
-        self.counts = [0] * (len(self.buckets) + 1)  # per bucket, not cumulative; last is +Inf
+        self.registry = registry if registry is not None else prometheus_client.CollectorRegistry()
+        self._hist = prometheus_client.Histogram(self.name, help_text, buckets=tuple(sorted(buckets)),
+                                                 registry=self.registry)
         self.sum = 0.0
         self.count = 0
 
     def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self._hist.observe(value)
         self.sum += value
         self.count += 1
 
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help_text}", f"# TYPE {self.name} histogram"]
-        cumulative = 0
-        for bound, count in zip(self.buckets, self.counts):
-            cumulative += count
-            lines.append(f'{self.name}_bucket{{le="{_format_value(bound)}"}} {cumulative}')
-        lines.append(f'{self.name}_bucket{{le="+Inf"}} {self.count}')
-        lines.append(f"{self.name}_sum {_format_value(self.sum)}")
-        lines.append(f"{self.name}_count {self.count}")
-        return lines
+
+# Engine stats: (EngineStats field, metric name, kind, help). Counters get prometheus' "_total".
+_ENGINE_METRICS = (
+    ("num_running", "num_requests_running", "gauge", "Requests in the running batch."),
+    ("kv_cache_usage", "kv_cache_usage_perc", "gauge", "Fraction of KV cache blocks in use (0..1)."),
+    ("num_free_blocks", "num_free_blocks", "gauge", "KV cache blocks free (no owner, nothing cached)."),
+    ("num_cached_blocks", "num_cached_blocks", "gauge",
+     "KV cache blocks with no owner whose contents stay in the prefix cache (evictable)."),
+    ("prefix_cache_queries", "prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache."),
+    ("prefix_cache_hits", "prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache."),
+    ("num_preemptions", "num_preemptions", "counter", "Requests preempted (recomputed) for lack of KV blocks."),
+    ("num_prompt_tokens", "prompt_tokens", "counter", "Prompt tokens processed."),
+    ("num_generation_tokens", "generation_tokens", "counter", "Tokens generated."),
+    ("num_failed_steps", "num_failed_steps", "counter",
+     "Engine steps whose runner call raised (their requests failed; the engine kept serving)."),
+    ("num_compilations", "num_compilations", "counter", "XLA compilations of the step function."),
+    ("num_constrained_requests", "num_constrained_requests", "counter",
+     "Requests added with structured output (a grammar)."),
+    ("num_grammars_compiled", "num_grammars_compiled", "counter", "Structured-output grammars compiled (LRU misses)."),
+    ("grammar_compile_seconds", "grammar_compile_seconds", "counter",
+     "Seconds spent compiling grammars (off the step loop)."),
+    ("mask_fill_seconds", "mask_fill_seconds", "counter", "Host seconds the step loop spent filling token masks."),
+)
 
 
-def _scalar(kind: str, name: str, help_text: str, samples: list[tuple[dict[str, str], float]]) -> list[str]:
-    full = PREFIX + name
-    lines = [f"# HELP {full} {help_text}", f"# TYPE {full} {kind}"]
-    lines.extend(f"{full}{_format_labels(labels)} {_format_value(value)}" for labels, value in samples)
-    return lines
+class _EngineCollector:
+    """The latest EngineStats snapshot as metrics, read at scrape time."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+
+    def collect(self):
+        stats, num_pending = self.metrics.scrape_stats, self.metrics.scrape_pending
+        if stats is None:
+            return
+        for field, name, kind, help_text in _ENGINE_METRICS:
+            value = getattr(stats, field, None)
+            if value is not None:
+                family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+                yield family(PREFIX + name, help_text, value=value)
+        yield GaugeMetricFamily(PREFIX + "num_requests_waiting", "Requests waiting to be scheduled (including "
+                                "those not yet handed to the engine).", value=stats.num_waiting + num_pending)
+        queries = stats.prefix_cache_queries
+        yield GaugeMetricFamily(PREFIX + "prefix_cache_hit_rate", "Prefix cache hits / queries, in tokens, since start.",
+                                value=stats.prefix_cache_hits / queries if queries else 0.0)
+        spec = getattr(stats, "spec_decode", None)
+        if spec is not None:
+            yield from _spec_decode_families(spec)
 
 
-def _spec_decode_lines(spec) -> list[str]:
-    """Speculative decoding (engine/spec_decode/controller.py SpecDecodeStats), vLLM's names."""
-    lines: list[str] = []
-    for name, value, help_text in (
-        ("num_drafts", spec.num_drafts, "Rows that verified drafts."),
-        ("num_draft_tokens", spec.num_draft_tokens, "Draft tokens verified."),
-        ("num_accepted_tokens", spec.num_accepted_tokens, "Draft tokens accepted."),
-        ("num_emitted_tokens", spec.num_emitted_tokens, "Tokens emitted by rows that verified drafts (accepted plus one bonus each)."),
-        ("num_switch_offs", spec.num_switch_offs, "Times the load switch turned speculation off."),
-        ("num_steps_off", spec.num_steps_off, "Steps that did not speculate because of the load."),
-        ("num_request_disables", spec.num_request_disables, "Times a request stopped drafting for low acceptance."),
-    ):
-        lines += _scalar("counter", f"spec_decode_{name}_total", help_text, [({}, value)])
-    per_pos = [({"position": str(i)}, n) for i, n in enumerate(spec.accepted_per_position)]
-    lines += _scalar("counter", "spec_decode_num_accepted_tokens_per_pos_total",
-                     "Draft tokens accepted, by position in the draft.", per_pos)
-    per_pos = [({"position": str(i)}, n) for i, n in enumerate(spec.drafted_per_position)]
-    lines += _scalar("counter", "spec_decode_num_draft_tokens_per_pos_total",
-                     "Draft tokens verified, by position in the draft.", per_pos)
-    lines += _scalar("gauge", "spec_decode_acceptance_rate", "Accepted / drafted tokens since start.",
-                     [({}, spec.acceptance_rate)])
-    lines += _scalar("gauge", "spec_decode_mean_accepted_length",
-                     "Tokens per verifying row since start, the bonus token included.",
-                     [({}, spec.mean_accepted_length)])
-    return lines
+# Speculative decoding (engine/spec_decode/controller.py SpecDecodeStats), vLLM's names.
+_SPEC_COUNTERS = (
+    ("num_drafts", "Rows that verified drafts."),
+    ("num_draft_tokens", "Draft tokens verified."),
+    ("num_accepted_tokens", "Draft tokens accepted."),
+    ("num_emitted_tokens", "Tokens emitted by rows that verified drafts (accepted plus one bonus each)."),
+    ("num_switch_offs", "Times the load switch turned speculation off."),
+    ("num_steps_off", "Steps that did not speculate because of the load."),
+    ("num_request_disables", "Times a request stopped drafting for low acceptance."),
+)
+
+
+def _spec_decode_families(spec):
+    for field, help_text in _SPEC_COUNTERS:
+        yield CounterMetricFamily(PREFIX + "spec_decode_" + field, help_text, value=getattr(spec, field))
+    for field, name, help_text in (
+            ("accepted_per_position", "num_accepted_tokens_per_pos", "Draft tokens accepted, by position in the draft."),
+            ("drafted_per_position", "num_draft_tokens_per_pos", "Draft tokens verified, by position in the draft.")):
+        family = CounterMetricFamily(PREFIX + "spec_decode_" + name, help_text, labels=["position"])
+        for i, n in enumerate(getattr(spec, field)):
+            family.add_metric([str(i)], n)
+        yield family
+    yield GaugeMetricFamily(PREFIX + "spec_decode_acceptance_rate", "Accepted / drafted tokens since start.",
+                            value=spec.acceptance_rate)
+    yield GaugeMetricFamily(PREFIX + "spec_decode_mean_accepted_length",
+                            "Tokens per verifying row since start, the bonus token included.",
+                            value=spec.mean_accepted_length)
 
 
 class ServerMetrics:
-    """What the server measures itself, plus rendering of the engine's stats."""
+    """What the server measures itself, plus the engine's stats, in one prometheus_client registry."""
 
     def __init__(self) -> None:
-        self.ttft = Histogram("time_to_first_token_seconds", "Time from request arrival to its first generated token.", TTFT_BUCKETS)
-        self.itl = Histogram("inter_token_latency_seconds", "Time between consecutive generated tokens of a request.", ITL_BUCKETS)
-        self.e2e = Histogram("e2e_request_latency_seconds", "Time from request arrival to its last output.", E2E_BUCKETS)
-        self.requests_finished: dict[str, int] = {}  # finish reason -> count
-        self.http_responses: dict[str, int] = {}  # status code -> count
-        self.engine_step_errors = 0  # engine steps that raised (their requests failed with 500)
-        # Connections the server dropped for sending too slowly, by phase ("headers", "body").
-        self.slow_clients_dropped: dict[str, int] = {"headers": 0, "body": 0}
+        self.registry = prometheus_client.CollectorRegistry(auto_describe=True)
+        prometheus_client.ProcessCollector(registry=self.registry)
+        prometheus_client.PlatformCollector(registry=self.registry)
+        prometheus_client.GCCollector(registry=self.registry)
+        r = self.registry
+        self.ttft = Histogram("time_to_first_token_seconds", "Time from request arrival to its first generated token.",
+                              TTFT_BUCKETS, r)
+        self.itl = Histogram("inter_token_latency_seconds", "Time between consecutive generated tokens of a request.",
+                             ITL_BUCKETS, r)
+        self.e2e = Histogram("e2e_request_latency_seconds", "Time from request arrival to its last output.", E2E_BUCKETS, r)
+        self._finished = prometheus_client.Counter(PREFIX + "request_success", "Finished requests by finish reason.",
+                                                   ["finished_reason"], registry=r)
+        self._responses = prometheus_client.Counter(PREFIX + "http_responses", "HTTP responses of /v1 endpoints by "
+                                                    "status code.", ["status"], registry=r)
+        self._step_errors = prometheus_client.Counter(PREFIX + "engine_step_errors", "Engine steps that raised; their "
+                                                      "requests failed.", registry=r)
+        self._slow = prometheus_client.Counter(PREFIX + "slow_clients_dropped", "Connections dropped for not sending "
+                                               "their request headers or body in time.", ["phase"], registry=r)
+        for phase in ("headers", "body"):
+            self._slow.labels(phase=phase)
+        self.requests_finished: dict[str, int] = {}  # finish reason -> count (also in the registry)
+        self._engine_step_errors = 0
+        self.scrape_stats = None
+        self.scrape_pending = 0
+        r.register(_EngineCollector(self))
+
+    @property
+    def engine_step_errors(self) -> int:
+        """Engine steps that raised (their requests failed with 500)."""
+        return self._engine_step_errors
+
+    @engine_step_errors.setter
+    def engine_step_errors(self, value: int) -> None:
+        self._step_errors.inc(value - self._engine_step_errors)
+        self._engine_step_errors = value
 
     def observe_first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
@@ -128,58 +175,19 @@ class ServerMetrics:
     def observe_finished(self, seconds: float, finish_reason: str) -> None:
         self.e2e.observe(seconds)
         self.requests_finished[finish_reason] = self.requests_finished.get(finish_reason, 0) + 1
+        self._finished.labels(finished_reason=finish_reason).inc()
 
     def observe_http_response(self, status: int) -> None:
-        key = str(status)
-        self.http_responses[key] = self.http_responses.get(key, 0) + 1
+        self._responses.labels(status=str(status)).inc()
 
     def observe_slow_client(self, phase: str) -> None:
-        self.slow_clients_dropped[phase] = self.slow_clients_dropped.get(phase, 0) + 1
+        self._slow.labels(phase=phase).inc()
 
     def render(self, stats, *, num_pending: int = 0) -> str:
-        """Prometheus text for the server's own metrics and an engine stats snapshot (None before
-        the engine's first report)."""
-        lines: list[str] = []
-        if stats is not None:
-            queries = stats.prefix_cache_queries
-            hit_rate = stats.prefix_cache_hits / queries if queries else 0.0
-            lines += _scalar("gauge", "num_requests_running", "Requests in the running batch.", [({}, stats.num_running)])
-            lines += _scalar(
-                "gauge",
-                "num_requests_waiting",
-                "Requests waiting to be scheduled (including those not yet handed to the engine).",
-                [({}, stats.num_waiting + num_pending)],
-            )
-            lines += _scalar("gauge", "kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).", [({}, stats.kv_cache_usage)])
-            for name, help_text in (("num_free_blocks", "KV cache blocks free (no owner, nothing cached)."),
-                                    ("num_cached_blocks", "KV cache blocks with no owner whose contents stay in the "
-                                                          "prefix cache (evictable).")):
-                value = getattr(stats, name, None)
-                if value is not None:
-                    lines += _scalar("gauge", name, help_text, [({}, value)])
-            lines += _scalar("gauge", "prefix_cache_hit_rate", "Prefix cache hits / queries, in tokens, since start.", [({}, hit_rate)])
-            lines += _scalar("counter", "prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.", [({}, queries)])
-            lines += _scalar("counter", "prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", [({}, stats.prefix_cache_hits)])
-            lines += _scalar("counter", "num_preemptions_total", "Requests preempted (recomputed) for lack of KV blocks.", [({}, stats.num_preemptions)])
-            lines += _scalar("counter", "prompt_tokens_total", "Prompt tokens processed.", [({}, stats.num_prompt_tokens)])
-            lines += _scalar("counter", "generation_tokens_total", "Tokens generated.", [({}, stats.num_generation_tokens)])
-            failed = getattr(stats, "num_failed_steps", None)
-            if failed is not None:
-                lines += _scalar("counter", "num_failed_steps_total", "Engine steps whose runner call raised "
-                                 "(their requests failed; the engine kept serving).", [({}, failed)])
-            lines += _scalar("counter", "num_compilations_total", "XLA compilations of the step function.", [({}, stats.num_compilations)])
-            spec = getattr(stats, "spec_decode", None)
-            if spec is not None:
-                lines += _spec_decode_lines(spec)
-        finished = [({"finished_reason": reason}, count) for reason, count in sorted(self.requests_finished.items())]
-        lines += _scalar("counter", "request_success_total", "Finished requests by finish reason.", finished)
-        responses = [({"status": status}, count) for status, count in sorted(self.http_responses.items())]
-        lines += _scalar("counter", "http_responses_total", "HTTP responses of /v1 endpoints by status code.", responses)
-        lines += _scalar("counter", "engine_step_errors_total", "Engine steps that raised; their requests failed.",
-                         [({}, self.engine_step_errors)])
-        slow = [({"phase": phase}, count) for phase, count in sorted(self.slow_clients_dropped.items())]
-        lines += _scalar("counter", "slow_clients_dropped_total",
-                         "Connections dropped for not sending their request headers or body in time.", slow)
-        for hist in (self.ttft, self.itl, self.e2e):
-            lines += hist.render()
-        return "\n".join(lines) + "\n"
+        """Prometheus text (format 0.0.4) for the server's own metrics, an engine stats snapshot
+        (None before the engine's first report) and the process."""
+        self.scrape_stats, self.scrape_pending = stats, num_pending
+        try:
+            return prometheus_client.generate_latest(self.registry).decode("utf-8")
+        finally:
+            self.scrape_stats = None

@@ -68,7 +68,7 @@ class ModelRunner:
                                           bits=attention_backend == "xla")
         self.table = RequestTable(shapes.max_num_seqs, shapes.sample_vocab_size)
         self.builder = BatchBuilder(max_blocks_per_seq=shapes.max_blocks_per_seq,
-                                    block_size=shapes.block_size)
+                                    block_size=shapes.block_size, vocab_size=shapes.sample_vocab_size)
         self._step = functools.partial(_step, config=model_config, attention_backend=attention_backend,
                                        interpret=interpret, num_logprobs=shapes.num_logprobs,
                                        sample_vocab_size=shapes.sample_vocab_size,

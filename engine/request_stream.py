@@ -40,6 +40,7 @@ class AddCommand:
     arrival_time: float
     future: concurrent.futures.Future
     group_id: str | None = None
+    grammar: object = None  # a CompiledGrammar built on the caller's thread (structured output)
 
     @property
     def num_seqs(self) -> int:

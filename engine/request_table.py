@@ -12,6 +12,8 @@ Device side (`TableState`, a pytree donated to every step like the KV cache):
     frequency_penalty f32[R], repetition_penalty f32[R], seed u32[R]
     output_counts i32[R, V]  occurrences of each token in the request's output (penalties)
     prompt_mask   bool[R, V] tokens of the prompt (the repetition penalty covers the prompt too)
+    logit_bias    f32[R, V]  added to the logits: logit_bias, allowed_token_ids (-inf elsewhere)
+                             and single-token bad_words (-inf), written once at join
 
 Lifecycle, per step:
  1. `apply(scheduler_output)` drops the finished, aborted and preempted ids, then adds the new
@@ -24,8 +26,10 @@ Lifecycle, per step:
  3. `commit(...)` after a completed step: the dirty slots that travelled are clean, and each
     request's rng step moves on by the tokens it kept.
 
-Grammar matchers and draft state (structured output, speculative decoding) get per-slot host
-arrays here when those land.
+Host-side mask state per slot (`mask_states`): a request's grammar (engine/structured_output/)
+and its multi-token bad words. The batch builder fills a packed bitmask row from them for each of
+the slot's logit rows; the engine advances them with the tokens each step kept. Draft state
+(speculative decoding) gets per-slot host arrays here when it lands.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ import numpy as np
 
 from scheduler import SchedulerOutput
 
-HISTORY_CHUNK = 512  # tokens written per _fill_history call (one compiled shape)
+HISTORY_CHUNK = 512  # tokens written per _fill_history / _fill_bias call (one compiled shape)
 
 # Per-request sampling values: (name, dtype, neutral value for unused slots).
 SAMPLING_FIELDS = (
@@ -66,6 +70,16 @@ class RowParams:
     repetition_penalty: float
     seed: int  # already reduced to uint32
     logprobs: bool  # wants the top logprobs
+    bias: BiasRow | None = None  # the request's logit_bias row (None: no bias)
+    # Host-side mask state, one per sequence, advanced by the engine (compare=False: mutable).
+    grammar: object = dataclasses.field(default=None, compare=False)  # structured_output GrammarState
+    banned: object = dataclasses.field(default=None, compare=False)  # BadWordsState (multi-token)
+
+    @property
+    def constrained(self) -> bool:
+        """Its logit rows need a host-filled token mask each step. Speculative decoding must skip
+        such requests (no draft tokens): the batch builder refuses a constrained row with drafts."""
+        return self.grammar is not None or self.banned is not None
 
     @property
     def uses_penalty(self) -> bool:
@@ -74,6 +88,16 @@ class RowParams:
     @property
     def uses_filter(self) -> bool:
         return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class BiasRow:
+    """A logit-bias row: `base` everywhere (0, or -inf for allowed_token_ids), then `values` at
+    `ids` (unique ids, values final: the host combined bias, allowed ids and banned ids)."""
+
+    base: float
+    ids: tuple[int, ...]
+    values: tuple[float, ...]
 
 
 @jax.tree_util.register_dataclass
@@ -89,6 +113,7 @@ class TableState:
     seed: jax.Array  # uint32[R] per-request seed
     output_counts: jax.Array  # int32[R, V] count of each token in the output so far
     prompt_mask: jax.Array  # bool[R, V] token occurs in the prompt
+    logit_bias: jax.Array  # float32[R, V] added to the logits of rows that use a bias
 
     def with_joins(self, join_slots, values: dict) -> TableState:
         """Inside the step: scatter the joining rows' values (slot R = no join, dropped)."""
@@ -105,7 +130,16 @@ class TableState:
 def allocate_table_state(capacity: int, vocab_size: int) -> TableState:
     fields = {name: jnp.full((capacity,), neutral, dtype) for name, dtype, neutral in SAMPLING_FIELDS}
     return TableState(**fields, output_counts=jnp.zeros((capacity, vocab_size), jnp.int32),
-                      prompt_mask=jnp.zeros((capacity, vocab_size), jnp.bool_))
+                      prompt_mask=jnp.zeros((capacity, vocab_size), jnp.bool_),
+                      logit_bias=jnp.zeros((capacity, vocab_size), jnp.float32))
+
+
+def _fill_bias(state: TableState, slot, ids, values, base, reset) -> TableState:
+    """Writes one chunk of a bias row: the first chunk (reset) starts from `base` everywhere;
+    ids past the vocabulary (padding) are dropped."""
+    row = jnp.where(reset, base, state.logit_bias[slot])
+    row = row.at[ids].set(values, mode="drop")
+    return dataclasses.replace(state, logit_bias=state.logit_bias.at[slot].set(row))
 
 
 def _fill_history(state: TableState, slot, tokens, kinds, reset) -> TableState:
@@ -132,8 +166,12 @@ class RequestTable:
         self.uses_filter_np = np.zeros(capacity, np.bool_)
         self.uses_penalty_np = np.zeros(capacity, np.bool_)
         self.num_output_np = np.zeros(capacity, np.int32)  # tokens generated: the rng step
+        self.uses_bias_np = np.zeros(capacity, np.bool_)
+        self.constrained_np = np.zeros(capacity, np.bool_)  # has host mask state
+        self.mask_states: list[tuple[object, object] | None] = [None] * capacity  # (grammar, banned)
         self.dirty_np = np.zeros(capacity, np.bool_)
         self._fill = jax.jit(_fill_history, donate_argnums=(0,))
+        self._fill_bias = jax.jit(_fill_bias, donate_argnums=(0,))
 
     def __len__(self) -> int:
         return len(self.slot_of)
@@ -165,8 +203,13 @@ class RequestTable:
         self.uses_penalty_np[slot] = row.uses_penalty
         self.num_output_np[slot] = len(output_token_ids)
         self.dirty_np[slot] = True
+        self.uses_bias_np[slot] = row.bias is not None
+        self.constrained_np[slot] = row.constrained
+        self.mask_states[slot] = (row.grammar, row.banned) if row.constrained else None
         if row.uses_penalty:
             self._write_history(slot, prompt_token_ids, output_token_ids)
+        if row.bias is not None:
+            self._write_bias(slot, row.bias)
         return slot
 
     def remove(self, req_id: str) -> None:
@@ -174,6 +217,9 @@ class RequestTable:
         if slot is None:
             return  # never joined (aborted while waiting) or already gone
         self.dirty_np[slot] = False
+        self.uses_bias_np[slot] = False
+        self.constrained_np[slot] = False
+        self.mask_states[slot] = None
         self._free.append(slot)
 
     def commit(self, slots: np.ndarray, num_kept: np.ndarray) -> None:
@@ -191,3 +237,15 @@ class RequestTable:
             chunk[: len(part)] = part
             chunk_kinds[: len(part)] = kinds[start : start + HISTORY_CHUNK]
             self.state = self._fill(self.state, np.int32(slot), chunk, chunk_kinds, np.bool_(start == 0))
+
+    def _write_bias(self, slot: int, bias: BiasRow) -> None:
+        ids = np.asarray(bias.ids, np.int32)
+        values = np.asarray(bias.values, np.float32)
+        for start in range(0, max(len(ids), 1), HISTORY_CHUNK):
+            chunk = np.full(HISTORY_CHUNK, self.vocab_size, np.int32)
+            chunk_values = np.zeros(HISTORY_CHUNK, np.float32)
+            part = ids[start : start + HISTORY_CHUNK]
+            chunk[: len(part)] = part
+            chunk_values[: len(part)] = values[start : start + HISTORY_CHUNK]
+            self.state = self._fill_bias(self.state, np.int32(slot), chunk, chunk_values,
+                                         np.float32(bias.base), np.bool_(start == 0))

@@ -5,6 +5,9 @@ Each logit row belongs to a request-table slot (`inputs.logits_slots`); its samp
 penalty state are gathered from the table on the device (engine/request_table.py).
 
 1. Logprobs are the log-softmax of the raw logits (before penalties and temperature), as in vLLM.
+   Then (each only when some row uses it) the slot's logit-bias row is added (logit_bias,
+   allowed_token_ids, single-token bad_words) and the host-filled token mask of constrained rows
+   (structured output) sets every disallowed logit to -inf, before anything below.
 2. Penalties (only when some row uses one): repetition (CTRL-style, over prompt and output),
    then frequency and presence (OpenAI's, over the output), from the table's token counts.
 3. Greedy rows take the argmax of the penalized logits.
@@ -77,6 +80,17 @@ def _apply_filters(logits, rows: _Rows):
     return jnp.where(logits >= threshold, logits, -jnp.inf)
 
 
+def _apply_token_mask(logits, inputs):
+    """-inf where a constrained row's packed mask bit is 0 (rows with mask_index L keep all)."""
+    num_rows, vocab = logits.shape
+    index = inputs.mask_index
+    words = inputs.token_mask[jnp.minimum(index, num_rows - 1)]  # [L, W]
+    bits = (words[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [L, W, 32], bit j of word w
+    allowed = bits.reshape(num_rows, -1)[:, :vocab] != 0
+    allowed = allowed | (index >= num_rows)[:, None]
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
 def _gumbel(seeds, steps, vocab: int):
     def one(seed, step):
         key = jax.random.fold_in(jax.random.key(seed), step)
@@ -98,6 +112,9 @@ def sample(logits, inputs, table: TableState, *, num_logprobs: int, num_speculat
     if k:
         is_draft, draft_ids = draft_rows(slots, inputs.logits_indices, inputs.input_ids, capacity)
         draft_counts = lambda: earlier_draft_counts(slots, draft_ids, vocab, k)  # noqa: E731
+    logits = jax.lax.cond(inputs.flags[5] > 0, lambda x: x + table.logit_bias[gather_slots],
+                          lambda x: x, logits)
+    logits = jax.lax.cond(inputs.flags[4] > 0, lambda x: _apply_token_mask(x, inputs), lambda x: x, logits)
     penalized = jax.lax.cond(inputs.flags[2] > 0,
                              lambda x: _apply_penalties(x, rows, table, gather_slots, draft_counts),
                              lambda x: x, logits)

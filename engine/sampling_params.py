@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from engine.structured_output.params import StructuredOutputsParams
+
 INT32_MAX = 2**31 - 1
 
 # Bounds that keep one request from hurting the others (a huge stop list is scanned at every step).
@@ -20,6 +22,9 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 MAX_LOGPROBS = 20
 MAX_N = 16
+MAX_LOGIT_BIAS = 1024  # entries in logit_bias
+MAX_BAD_WORDS = 128
+MAX_ALLOWED_TOKEN_IDS = 1 << 20
 
 
 class ParamError(ValueError):
@@ -56,6 +61,8 @@ BOUNDS: dict[str, Bound] = {
     "logprobs": Bound(int, 0, MAX_LOGPROBS),
     "stop_token_ids": Bound(int, 0, INT32_MAX),  # each entry
     "prompt_token_ids": Bound(int, 0, INT32_MAX),  # each entry; the engine checks the vocabulary
+    "logit_bias": Bound(float, -100.0, 100.0),  # each value (OpenAI's range); keys are token ids
+    "allowed_token_ids": Bound(int, 0, INT32_MAX),  # each entry; the engine checks the vocabulary
 }
 
 
@@ -126,6 +133,13 @@ class SamplingParams:
     logprobs: int | None = None  # top-n log-probabilities per generated token (+ the sampled one)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Constrained decoding (engine/structured_output/): a JSON schema, regex, choice or grammar.
+    structured_outputs: StructuredOutputsParams | None = None
+    # OpenAI's logit_bias: token id -> bias in [-100, 100], added to the logits; stored as sorted
+    # (id, bias) pairs (a dict is accepted).
+    logit_bias: tuple[tuple[int, float], ...] | None = None
+    allowed_token_ids: tuple[int, ...] | None = None  # only these ids may be sampled
+    bad_words: tuple[str, ...] | None = None  # words never generated (vLLM's semantics)
 
     def __post_init__(self) -> None:
         stop = self.stop
@@ -143,9 +157,43 @@ class SamplingParams:
                 check_bound(name, getattr(self, name))
         for t in self.stop_token_ids:
             check_bound("stop_token_ids", t)
+        self._check_logit_controls()
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ParamError(name, f"'{name}' must be a boolean, got {kind_of(getattr(self, name))}")
+
+    def _check_logit_controls(self) -> None:
+        so = self.structured_outputs
+        if isinstance(so, dict):
+            object.__setattr__(self, "structured_outputs", StructuredOutputsParams.from_dict(so))
+        elif so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ParamError("structured_outputs", "'structured_outputs' must be a StructuredOutputsParams or a dict")
+        bias = self.logit_bias
+        if bias is not None:
+            items = bias.items() if isinstance(bias, dict) else bias
+            try:
+                pairs = sorted((k, v) for k, v in items)
+            except (TypeError, ValueError):
+                raise ParamError("logit_bias", "'logit_bias' must map token ids to numbers") from None
+            if len(pairs) > MAX_LOGIT_BIAS:
+                raise ParamError("logit_bias", f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} entries")
+            for k, v in pairs:
+                if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= INT32_MAX:
+                    raise ParamError("logit_bias", f"'logit_bias' keys must be token ids (integers >= 0), got {_show(k)}")
+                check_bound("logit_bias", v)
+            object.__setattr__(self, "logit_bias", tuple((k, float(v)) for k, v in pairs) or None)
+        if self.allowed_token_ids is not None:
+            ids = tuple(self.allowed_token_ids)
+            if not ids or len(ids) > MAX_ALLOWED_TOKEN_IDS:
+                raise ParamError("allowed_token_ids", "'allowed_token_ids' must hold at least one token id")
+            for t in ids:
+                check_bound("allowed_token_ids", t)
+            object.__setattr__(self, "allowed_token_ids", ids)
+        if self.bad_words is not None:
+            words = (self.bad_words,) if isinstance(self.bad_words, str) else tuple(self.bad_words)
+            if len(words) > MAX_BAD_WORDS or not all(isinstance(w, str) and w for w in words):
+                raise ParamError("bad_words", f"'bad_words' must hold at most {MAX_BAD_WORDS} non-empty strings")
+            object.__setattr__(self, "bad_words", words or None)
 
     @property
     def greedy(self) -> bool:

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from engine.request_table import SAMPLING_FIELDS, RequestTable
+from engine.structured_output.masks import MaskFiller
 from scheduler import SchedulerOutput
 
 
@@ -37,7 +39,8 @@ class StepInputs:
     logits_indices: jax.Array  # int32[L] token index of each logit row; 0 for padding
     logits_slots: jax.Array  # int32[L] request-table slot of the row's request; R for padding
     logits_steps: jax.Array  # int32[L] output index of the token it samples (the rng step)
-    flags: jax.Array  # int32[4] any row: [samples randomly, uses a filter, uses a penalty, wants logprobs]
+    flags: jax.Array  # int32[6] any row: [samples randomly, uses a filter, uses a penalty, wants logprobs,
+    #                   has a token mask, uses a logit bias]
     # -- request-table joins: rows whose sampling values are not on the device yet --
     join_slots: jax.Array  # int32[S] slot to write; R = no join (dropped)
     join_temperature: jax.Array  # float32[S]
@@ -48,6 +51,9 @@ class StepInputs:
     join_frequency_penalty: jax.Array  # float32[S]
     join_repetition_penalty: jax.Array  # float32[S]
     join_seed: jax.Array  # uint32[S]
+    # -- token masks (structured output): the last fields, outside the per-step zero fill --
+    mask_index: jax.Array  # int32[L] row of token_mask for each logit row; L = unconstrained
+    token_mask: jax.Array  # int32[L, W] packed allowed-token bits; only indexed rows are meaningful
 
     def join_values(self) -> dict:
         return {name: getattr(self, "join_" + name) for name, _, _ in SAMPLING_FIELDS}
@@ -59,14 +65,16 @@ _DTYPES = {f"join_{name}": dtype for name, dtype, _ in SAMPLING_FIELDS}
 class StepLayout:
     """Where each StepInputs field of one bucket lives in the flat int32 buffer."""
 
-    def __init__(self, padded_tokens: int, padded_seqs: int, padded_logits: int, max_blocks_per_seq: int):
+    def __init__(self, padded_tokens: int, padded_seqs: int, padded_logits: int, max_blocks_per_seq: int,
+                 mask_words: int = 1):
         t, s, lg = padded_tokens, padded_seqs, padded_logits
         self.padded_tokens, self.padded_seqs, self.padded_logits = t, s, lg
         shapes = {
             "input_ids": (t,), "positions": (t,), "slot_mapping": (t,), "query_start_loc": (s + 1,),
             "seq_lens": (s,), "block_tables": (s, max_blocks_per_seq), "num_seqs": (),
-            "logits_indices": (lg,), "logits_slots": (lg,), "logits_steps": (lg,), "flags": (4,),
+            "logits_indices": (lg,), "logits_slots": (lg,), "logits_steps": (lg,), "flags": (6,),
             "join_slots": (s,), **{name: (s,) for name in _DTYPES},
+            "mask_index": (lg,), "token_mask": (lg, mask_words),
         }
         self.slices: dict[str, tuple[int, int, tuple[int, ...]]] = {}
         offset = 0
@@ -75,6 +83,7 @@ class StepLayout:
             self.slices[name] = (offset, offset + size, shape)
             offset += size
         self.size = offset
+        self.mask_start = self.slices["token_mask"][0]  # the zero fill stops here
         self.buffer = np.zeros(offset, np.int32)
         self.views = {name: self._view(name) for name in shapes}
 
@@ -111,15 +120,20 @@ class BuiltStep:
 class BatchBuilder:
     """Turns a SchedulerOutput into the flat input buffer of its bucket."""
 
-    def __init__(self, *, max_blocks_per_seq: int, block_size: int):
+    def __init__(self, *, max_blocks_per_seq: int, block_size: int, vocab_size: int = 32):
         self.block_size = block_size
         self.max_blocks_per_seq = max_blocks_per_seq
+        self.mask_words = -(-vocab_size // 32)
         self._layouts: dict[tuple[int, int, int], StepLayout] = {}
+        self.mask_filler = MaskFiller()
+        self.mask_seconds = 0.0  # host time spent filling token masks
+        self.num_mask_steps = 0  # steps that filled at least one mask row
+        self.num_mask_rows = 0
 
     def layout(self, padded_tokens: int, padded_seqs: int, padded_logits: int) -> StepLayout:
         key = (padded_tokens, padded_seqs, padded_logits)
         if key not in self._layouts:
-            self._layouts[key] = StepLayout(*key, self.max_blocks_per_seq)
+            self._layouts[key] = StepLayout(*key, self.max_blocks_per_seq, self.mask_words)
         return self._layouts[key]
 
     def build(self, out: SchedulerOutput, layout: StepLayout, table: RequestTable) -> BuiltStep:
@@ -130,7 +144,7 @@ class BatchBuilder:
         if num_tokens > layout.padded_tokens or num_seqs > layout.padded_seqs:
             raise ValueError(f"step of {num_tokens} tokens / {num_seqs} seqs exceeds bucket "
                              f"({layout.padded_tokens}, {layout.padded_seqs})")
-        layout.buffer.fill(0)  # padding: token 0 at position 0 in the null block, rows empty
+        layout.buffer[: layout.mask_start].fill(0)  # padding: token 0 at position 0 in the null block, rows empty
         bs = self.block_size
         slot_of = table.slot_of
         q_lens = np.fromiter((sr.num_scheduled_tokens for sr in scheduled), np.int32, num_seqs)
@@ -173,7 +187,36 @@ class BatchBuilder:
         for name, _, _ in SAMPLING_FIELDS:
             v["join_" + name][: len(join_slots)] = table.values_np[name][join_slots]
         random = table.values_np["temperature"][sampled_slots] > 0
+        masked = self._fill_masks(layout, table, sampled_slots, row_logits[logit_row])
         v["flags"][:] = (random.any(), table.uses_filter_np[sampled_slots].any(),
                          table.uses_penalty_np[sampled_slots].any(),
-                         table.wants_logprobs_np[sampled_slots].any())
+                         table.wants_logprobs_np[sampled_slots].any(), masked,
+                         table.uses_bias_np[sampled_slots].any())
         return BuiltStep(layout.buffer, row_slots, row_logits, num_logits)
+
+    def _fill_masks(self, layout: StepLayout, table: RequestTable, sampled_slots, logits_of_row) -> bool:
+        """Writes the token mask of every constrained logit row; False when there is none."""
+        rows = np.flatnonzero(table.constrained_np[sampled_slots])
+        if not rows.size:
+            return False
+        if (logits_of_row[rows] != 1).any():
+            raise ValueError("a constrained request (structured output / bad_words) was scheduled with "
+                             "draft tokens; speculative decoding must skip constrained requests")
+        start = time.perf_counter()
+        v = layout.views
+        v["mask_index"][:] = layout.padded_logits
+        v["mask_index"][rows] = rows
+        mask = v["token_mask"]
+        states = [table.mask_states[s] for s in sampled_slots[rows]]
+        grammar_rows = [r for r, (g, _) in zip(rows, states) if g is not None]
+        if grammar_rows:
+            self.mask_filler.fill([g for g, _ in states if g is not None], np.asarray(grammar_rows), mask)
+        for r, (g, banned) in zip(rows, states):
+            if g is None:
+                mask[r] = -1
+            if banned is not None:
+                banned.clear_bits(mask[r])
+        self.mask_seconds += time.perf_counter() - start
+        self.num_mask_steps += 1
+        self.num_mask_rows += rows.size
+        return True

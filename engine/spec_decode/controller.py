@@ -75,7 +75,9 @@ class SpecDecoder:
         if not self.enabled or not decoding or not self.switch.update(len(decoding)):
             return
         wants = self.tracker.wants_drafts
-        chosen = [r for r in decoding if wants(r.req_id)]
+        # Constrained requests (structured output, multi-token bad_words) get no drafts: their
+        # token mask is filled for one position per step (engine/step_inputs.py refuses drafts).
+        chosen = [r for r in decoding if wants(r.req_id) and not getattr(r.sampling, "constrained", False)]
         if not chosen:
             return
         try:

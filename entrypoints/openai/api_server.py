@@ -57,9 +57,10 @@ import time
 from aiohttp import web
 
 from engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineError
+from engine.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from engine.metrics import ServerMetrics
 from entrypoints.openai.http_guard import GuardedAppRunner
-from entrypoints.openai.prepare import Job, Preparer, vocab_size_of
+from entrypoints.openai.prepare import Job, Preparer, detokenize_body, tokenize_body, vocab_size_of
 from entrypoints.openai.protocol import ProtocolError, RequestLimits
 from entrypoints.openai.response_writers import ResponseWriter
 from entrypoints.openai.responses import TokenTexts
@@ -103,7 +104,8 @@ class OpenAIServer:
             max_logprobs=getattr(getattr(engine, "config", None), "max_logprobs", None),
             served_names=self.served_names, model_name=self.model_name,
             limits=RequestLimits(max_prompts=config.max_prompts, max_n=config.max_n),
-            max_queue_len=config.max_queue_len, trust_chat_special_tokens=config.trust_chat_special_tokens)
+            max_queue_len=config.max_queue_len, trust_chat_special_tokens=config.trust_chat_special_tokens,
+            grammar_compiler=getattr(engine, "compile_grammar", None))
         self.max_body_bytes = config.max_body_bytes or default_body_limit(self.max_model_len)
         self.metrics = ServerMetrics()
         self.async_engine = AsyncLLMEngine(engine, max_queue_len=config.max_queue_len, metrics=self.metrics)
@@ -121,6 +123,8 @@ class OpenAIServer:
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat_completions)
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/detokenize", self._detokenize)
         return app
 
     def make_runner(self, app: web.Application | None = None) -> web.AppRunner:
@@ -188,7 +192,7 @@ class OpenAIServer:
 
     async def _metrics(self, request: web.Request) -> web.Response:
         text = self.metrics.render(self.async_engine.stats(), num_pending=self.async_engine.num_pending())
-        return web.Response(text=text, content_type="text/plain", charset="utf-8", headers={"X-Prometheus-Format": "0.0.4"})
+        return web.Response(body=text.encode("utf-8"), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
     async def _models(self, request: web.Request) -> web.Response:
         data = [{"id": name, "object": "model", "created": self.created, "owned_by": "jaxserve",
@@ -227,6 +231,14 @@ class OpenAIServer:
         job = await self._prepare(self.preparer.completion, await self._read_body(request))
         return await self._generate(request, job)
 
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        body = await self._prepare(lambda raw: tokenize_body(self.preparer, raw), await self._read_body(request))
+        return web.json_response(body)
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        body = await self._prepare(lambda raw: detokenize_body(self.preparer, raw), await self._read_body(request))
+        return web.json_response(body)
+
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
         job = await self._prepare(self.preparer.chat, await self._read_body(request))
         return await self._generate(request, job)
@@ -239,7 +251,7 @@ class OpenAIServer:
         try:
             for i, ids in enumerate(job.prompt_ids):
                 await self.async_engine.add_request(stream, f"{job.response_id}-{i}", ids, job.params,
-                                                    group_id=job.response_id)
+                                                    group_id=job.response_id, grammar=job.grammar)
             if job.stream:
                 return await self.writer.stream_response(request, job, stream)
             return await self.writer.whole_response(job, stream)

@@ -7,14 +7,17 @@ are type- and range-checked against the one table of bounds, `engine.sampling_pa
 (what the device arrays hold), and a `ParamError` from there becomes a 400 naming its `param`.
 Strings must be valid Unicode (a lone surrogate such as "\\ud800" is refused: it cannot be
 encoded, tokenized or sent back). Server limits (`RequestLimits`: most prompts, most n) come from
-the server's config. Features this engine does not have (tools, logit_bias, suffix, best_of > n,
-non-text response formats, prompt logprobs for echo) are rejected by name rather than silently
-ignored. Response bodies are built in `entrypoints/openai/responses.py`.
+the server's config. Constraint fields (response_format, structured_outputs, logit_bias,
+allowed_token_ids, bad_words) are read in constraints.py, tools and tool_choice in tools.py.
+Features this engine does not have (suffix, legacy functions, best_of > n, prompt logprobs for
+echo) are rejected by name rather than silently ignored. Response bodies are built in
+`entrypoints/openai/responses.py`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from engine.sampling_params import (
     BOUNDS,
@@ -26,6 +29,8 @@ from engine.sampling_params import (
     check_stop_strings,
     kind_of,
 )
+from entrypoints.openai.constraints import parse_constraints
+from entrypoints.openai.tools import ToolPlan, forced_grammar, parse_tools
 
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -81,6 +86,7 @@ class ChatRequest:
     include_usage: bool
     logprobs: bool  # return chat logprobs (params.logprobs is the number of top ones)
     add_generation_prompt: bool
+    tools: ToolPlan | None = None  # tools and tool_choice, when tools were sent
 
 
 # ---- field readers -------------------------------------------------------------------------
@@ -152,22 +158,14 @@ def _token_id_list(value, name: str) -> list[int]:
     return value
 
 
-def _unsupported(body: dict) -> None:
-    if body.get("logit_bias"):
-        raise ProtocolError("'logit_bias' is not supported", param="logit_bias")
+def _unsupported(body: dict, *, chat: bool) -> None:
     if body.get("suffix") is not None:
         raise ProtocolError("'suffix' is not supported", param="suffix")
-    if body.get("tools"):
-        raise ProtocolError("'tools' (function calling) is not supported", param="tools")
     if body.get("functions"):
-        raise ProtocolError("'functions' (function calling) is not supported", param="functions")
-    tool_choice = body.get("tool_choice")
-    if tool_choice not in (None, "none", "auto"):
-        raise ProtocolError("'tool_choice' is not supported", param="tool_choice")
-    response_format = body.get("response_format")
-    if response_format is not None:
-        if not isinstance(response_format, dict) or response_format.get("type") != "text":
-            raise ProtocolError("'response_format' supports only {\"type\": \"text\"}", param="response_format")
+        raise ProtocolError("'functions' (legacy function calling) is not supported; send 'tools'", param="functions")
+    if not chat and (body.get("tools") or body.get("tool_choice") is not None):
+        param = "tools" if body.get("tools") else "tool_choice"
+        raise ProtocolError(f"'{param}' is only supported on chat completions", param=param)
 
 
 def _model(body: dict, served_names: tuple[str, ...]) -> str | None:
@@ -217,6 +215,7 @@ def _sampling(body: dict, limits: RequestLimits, *, max_tokens, logprobs) -> Sam
         skip_special_tokens=_bool(body, "skip_special_tokens", True),
         include_stop_str_in_output=_bool(body, "include_stop_str_in_output"),
         logprobs=logprobs,
+        **parse_constraints(body),
     )
     stop_token_ids = body.get("stop_token_ids")
     if stop_token_ids is not None:
@@ -241,7 +240,7 @@ def parse_completion_request(body, served_names: tuple[str, ...],
                              limits: RequestLimits = RequestLimits()) -> CompletionRequest:
     body = _require_object(body)
     model = _model(body, served_names)
-    _unsupported(body)
+    _unsupported(body, chat=False)
     prompts = _prompts(body.get("prompt", _MISSING), limits)
     stream, include_usage = _stream(body)
     max_tokens = _bounded(body, "max_tokens", 16)
@@ -287,7 +286,8 @@ def parse_chat_request(body, served_names: tuple[str, ...],
                        limits: RequestLimits = RequestLimits()) -> ChatRequest:
     body = _require_object(body)
     model = _model(body, served_names)
-    _unsupported(body)
+    _unsupported(body, chat=True)
+    tools = parse_tools(body)
     messages = _messages(body.get("messages", _MISSING))
     stream, include_usage = _stream(body)
     max_tokens = _bounded(body, "max_completion_tokens", None, bound="max_tokens")
@@ -299,8 +299,13 @@ def parse_chat_request(body, served_names: tuple[str, ...],
         raise ProtocolError("'top_logprobs' requires 'logprobs' to be true", param="top_logprobs")
     params = _sampling(body, limits, max_tokens=max_tokens,
                        logprobs=(top_logprobs or 0) if want_logprobs else None)
+    if tools is not None and tools.forced:
+        if params.structured_outputs is not None:
+            raise ProtocolError("'tool_choice' forces a tool call, which cannot be combined with "
+                                "'response_format' / 'structured_outputs'", param="tool_choice")
+        params = dataclasses.replace(params, structured_outputs=forced_grammar(tools))
     return ChatRequest(model, messages, params, stream, include_usage, want_logprobs,
-                       add_generation_prompt=_bool(body, "add_generation_prompt", True))
+                       add_generation_prompt=_bool(body, "add_generation_prompt", True), tools=tools)
 
 
 def _messages(value) -> list[dict]:
@@ -321,6 +326,9 @@ def _messages(value) -> list[dict]:
             raise ProtocolError(f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}, got {shown}",
                                 param=f"{where}.role")
         content = message.get("content")
+        tool_calls = message.get("tool_calls") if role == "assistant" else None
+        if tool_calls is not None:
+            content = (content or "") + _tool_calls_text(tool_calls, where)
         if isinstance(content, list):
             texts = []
             for part in content:
@@ -338,6 +346,25 @@ def _messages(value) -> list[dict]:
             raise ProtocolError(f"'{where}.name' must be a string", param=f"{where}.name")
         messages.append({"role": "system" if role == "developer" else role, "content": content})
     return messages
+
+
+def _tool_calls_text(tool_calls, where: str) -> str:
+    """An assistant message's earlier tool calls, written in the Hermes format the prompt uses."""
+    if not isinstance(tool_calls, list):
+        raise ProtocolError(f"'{where}.tool_calls' must be an array", param=f"{where}.tool_calls")
+    parts = []
+    for call in tool_calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ProtocolError(f"'{where}.tool_calls' entries need function.name", param=f"{where}.tool_calls")
+        args = fn.get("arguments", "{}")
+        try:
+            args = json.loads(args) if isinstance(args, str) else args
+        except ValueError:
+            pass
+        call_json = json.dumps({"name": fn["name"], "arguments": args}, ensure_ascii=False)
+        parts.append(f"<tool_call>\n{call_json}\n</tool_call>")
+    return "\n".join(parts)
 
 
 def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, *, prompt_param: str) -> None:

@@ -35,8 +35,10 @@ from entrypoints.openai.responses import (
     completion_choice,
     completion_logprobs,
     envelope,
+    tool_finish_reason,
     usage,
 )
+from entrypoints.openai.tools import ToolStreamer, parse_tool_output
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +81,10 @@ class ResponseWriter:
             num_top = job.params.logprobs
             if job.chat:
                 logprobs = chat_logprobs(self.token_texts, delta, num_top) if job.chat_logprobs else None
-                choices.append(chat_message_choice(index, delta.text, logprobs, delta))
+                content, calls = delta.text, None
+                if job.tools is not None:
+                    content, calls = parse_tool_output(job.tools, delta.text)
+                choices.append(chat_message_choice(index, content, logprobs, delta, calls))
             else:
                 text = delta.text
                 if job.echo_texts is not None:
@@ -102,6 +107,8 @@ class ResponseWriter:
         chunk = lambda choices: _sse(envelope(job.response_id, obj, created, job.model, choices, **extra))
         num_choices = len(job.prompt_ids) * job.params.n
         cursors = {index: ChoiceCursor() for index in range(num_choices)}
+        tool_streams = ({index: ToolStreamer(job.tools) for index in range(num_choices)}
+                        if job.chat and job.tools is not None else {})
         num_generated: dict[int, int] = {}
         try:
             if job.chat:
@@ -138,7 +145,9 @@ class ResponseWriter:
                         if not delta.text and delta.finish_reason is None and job.params.logprobs is None:
                             continue  # tokens whose text is not complete yet (a split UTF-8 character)
                         num_generated[index] = len(completion.token_ids)
-                        parts.append(chunk([self._chunk_choice(job, index, cursors[index], delta)]))
+                        choice = self._chunk_choice(job, index, cursors[index], delta, tool_streams.get(index))
+                        if choice is not None:
+                            parts.append(chunk([choice]))
                 if parts:
                     await response.write("".join(parts).encode())
             if job.include_usage and not failed:
@@ -152,11 +161,19 @@ class ResponseWriter:
             logger.info("client disconnected from %s", job.response_id)
         return response
 
-    def _chunk_choice(self, job: Job, index: int, cursor: ChoiceCursor, delta) -> dict:
+    def _chunk_choice(self, job: Job, index: int, cursor: ChoiceCursor, delta, tools: ToolStreamer | None) -> dict | None:
         num_top = job.params.logprobs
         if job.chat:
             logprobs = chat_logprobs(self.token_texts, delta, num_top) if job.chat_logprobs and delta.token_ids else None
-            body = {"content": delta.text} if delta.text else {}
-            return chat_chunk_choice(index, body, logprobs, delta.finish_reason)
+            finish_reason = delta.finish_reason
+            if tools is not None:
+                body = tools.feed(delta.text, delta.finish_reason is not None)
+                if tools.has_calls:
+                    finish_reason = tool_finish_reason(finish_reason)
+                if not body and finish_reason is None and logprobs is None:
+                    return None  # held back: it may still become a tool call
+            else:
+                body = {"content": delta.text} if delta.text else {}
+            return chat_chunk_choice(index, body, logprobs, finish_reason)
         logprobs = completion_logprobs(self.token_texts, cursor, delta, num_top) if num_top is not None else None
         return completion_choice(index, delta.text, logprobs, delta)

@@ -121,14 +121,25 @@ def completion_choice(index: int, text: str, logprobs: dict | None, delta: Choic
     }
 
 
-def chat_message_choice(index: int, content: str, logprobs: dict | None, delta: ChoiceDelta) -> dict:
+def chat_message_choice(index: int, content: str | None, logprobs: dict | None, delta: ChoiceDelta,
+                        tool_calls: list[dict] | None = None) -> dict:
+    message = {"role": "assistant", "content": content}
+    finish_reason = delta.finish_reason
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+        finish_reason = tool_finish_reason(finish_reason)
     return {
         "index": index,
-        "message": {"role": "assistant", "content": content},
+        "message": message,
         "logprobs": logprobs,
-        "finish_reason": delta.finish_reason,
+        "finish_reason": finish_reason,
         "stop_reason": delta.stop_reason,
     }
+
+
+def tool_finish_reason(finish_reason: str | None) -> str | None:
+    """A response that calls tools says so, unless it was cut short (length, abort)."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
 
 
 def chat_chunk_choice(index: int, delta_body: dict, logprobs: dict | None, finish_reason: str | None) -> dict:

@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import prometheus_client
 import pytest
 
 from engine.metrics import Histogram, ServerMetrics
@@ -152,11 +153,11 @@ def test_histogram_is_cumulative():
     hist = Histogram("x_seconds", "help", (0.1, 1.0))
     for value in (0.05, 0.1, 0.5, 3.0):
         hist.observe(value)
-    lines = hist.render()
+    lines = prometheus_client.generate_latest(hist.registry).decode().splitlines()
     assert lines[:2] == ["# HELP jaxserve:x_seconds help", "# TYPE jaxserve:x_seconds histogram"]
-    assert lines[2:] == ['jaxserve:x_seconds_bucket{le="0.1"} 2', 'jaxserve:x_seconds_bucket{le="1"} 3',
-                         'jaxserve:x_seconds_bucket{le="+Inf"} 4', "jaxserve:x_seconds_sum 3.65",
-                         "jaxserve:x_seconds_count 4"]
+    assert lines[2:] == ['jaxserve:x_seconds_bucket{le="0.1"} 2.0', 'jaxserve:x_seconds_bucket{le="1.0"} 3.0',
+                         'jaxserve:x_seconds_bucket{le="+Inf"} 4.0', "jaxserve:x_seconds_count 4.0",
+                         "jaxserve:x_seconds_sum 3.65"]
 
 
 def test_server_metrics_render():
@@ -167,14 +168,17 @@ def test_server_metrics_render():
     metrics.observe_http_response(200)
     text = metrics.render(_Stats(), num_pending=2)
     lines = set(text.splitlines())
-    assert "jaxserve:num_requests_running 2" in lines
-    assert "jaxserve:num_requests_waiting 3" in lines
+    assert "jaxserve:num_requests_running 2.0" in lines
+    assert "jaxserve:num_requests_waiting 3.0" in lines
     assert "jaxserve:kv_cache_usage_perc 0.25" in lines
     assert "jaxserve:prefix_cache_hit_rate 0.4" in lines
-    assert "jaxserve:num_compilations_total 5" in lines
-    assert 'jaxserve:request_success_total{finished_reason="length"} 1' in lines
-    assert "jaxserve:inter_token_latency_seconds_count 3" in lines
-    assert "jaxserve:time_to_first_token_seconds_count 1" in lines
+    assert "jaxserve:num_compilations_total 5.0" in lines
+    assert 'jaxserve:request_success_total{finished_reason="length"} 1.0' in lines
+    assert "jaxserve:inter_token_latency_seconds_count 3.0" in lines
+    assert "jaxserve:time_to_first_token_seconds_count 1.0" in lines
+    assert any(line.startswith("process_cpu_seconds_total ") for line in lines)  # prometheus_client's process metrics
     for line in text.splitlines():
-        assert line.startswith("# HELP jaxserve:") or line.startswith("# TYPE jaxserve:") or line.startswith("jaxserve:")
+        name = line.split(" ")[2] if line.startswith("#") else line
+        assert name.startswith(("jaxserve:", "process_", "python_")), line
+    assert not any("_created" in line for line in lines)
     assert text.endswith("\n")

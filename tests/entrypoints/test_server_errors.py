@@ -34,6 +34,9 @@ def _post(server, path, body, headers=AUTH):
 
 
 # (path, body, status, the param named, a word the message must contain)
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
 BAD_REQUESTS = [
     (COMP, "{not json", 400, None, "JSON"),
     (COMP, "[1, 2]", 400, None, "object"),
@@ -60,7 +63,8 @@ BAD_REQUESTS = [
     (COMP, {"prompt": "a", "stop": [1]}, 400, "stop", "stop"),
     (COMP, {"prompt": "a", "stream": "yes"}, 400, "stream", "boolean"),
     (COMP, {"prompt": "a", "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),
-    (COMP, {"prompt": "a", "logit_bias": {"5": 1}}, 400, "logit_bias", "not supported"),
+    (COMP, {"prompt": "a", "logit_bias": {"x5": 1}}, 400, "logit_bias", "token ids"),
+    (COMP, {"prompt": "a", "logit_bias": {"5": 101}}, 400, "logit_bias", "[-100, 100]"),
     (COMP, {"prompt": "a", "model": "gpt-4"}, 404, "model", "gpt-4"),
     (COMP, {"prompt": "x" * MAX_MODEL_LEN}, 400, "prompt", "max_model_len"),
     (COMP, {"prompt": "x" * 100, "max_tokens": 100}, 400, "max_tokens", "max_model_len"),
@@ -73,9 +77,38 @@ BAD_REQUESTS = [
     (CHAT, {"messages": MSG, "top_logprobs": 2}, 400, "top_logprobs", "logprobs"),
     (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs", "top_logprobs"),
     (CHAT, {"messages": MSG, "max_completion_tokens": 0}, 400, "max_completion_tokens", "max_completion_tokens"),
-    (CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools", "not supported"),
-    (CHAT, {"messages": MSG, "response_format": {"type": "json_object"}}, 400, "response_format", "text"),
+    (CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools[0]", "function"),
+    (CHAT, {"messages": MSG, "response_format": {"type": "xml"}}, 400, "response_format.type", "json_schema"),
     (CHAT, {"messages": MSG, "model": 3}, 400, "model", "string"),
+    # Structured output and tools: each bad grammar is named, checked before the engine sees it.
+    (CHAT, {"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "foo"}}}}, 400, "response_format.json_schema.schema", "invalid type"),
+    (CHAT, {"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "array", "uniqueItems": True}}}}, 400,
+     "response_format.json_schema.schema", "unimplemented"),
+    (CHAT, {"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {"schema": 3}}}, 400,
+     "response_format.json_schema.schema", "object"),
+    (COMP, {"prompt": "a", "structured_outputs": {"regex": "a(b"}}, 400, "structured_outputs.regex", "regex"),
+    (COMP, {"prompt": "a", "structured_outputs": {"grammar": "start: foo"}}, 400, "structured_outputs.grammar",
+     "unknown name"),
+    (COMP, {"prompt": "a", "structured_outputs": {"json": {"type": "integer", "minimum": "x"}}}, 400,
+     "structured_outputs.json", "minimum"),
+    (COMP, {"prompt": "a", "structured_outputs": {"regex": "a", "choice": ["b"]}}, 400, "structured_outputs",
+     "exactly one"),
+    (COMP, {"prompt": "a", "structured_outputs": {"choice": []}}, 400, "structured_outputs.choice", "non-empty"),
+    (COMP, {"prompt": "a", "structured_outputs": {"xml": "a"}}, 400, "structured_outputs.xml", "supported"),
+    (COMP, {"prompt": "a", "allowed_token_ids": []}, 400, "allowed_token_ids", "token ids"),
+    (COMP, {"prompt": "a", "bad_words": [3]}, 400, "bad_words", "strings"),
+    (COMP, {"prompt": "a", "tools": [TOOL]}, 400, "tools", "chat"),
+    (CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f", "parameters": "abc"}}]},
+     400, "tools[0].function.parameters", "schema"),
+    (CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "nope"}}}}}]}, 400, "tools[0].function.parameters", "nope"),
+    (CHAT, {"messages": MSG, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "other"}}},
+     400, "tool_choice", "not in 'tools'"),
+    (CHAT, {"messages": MSG, "tool_choice": "required"}, 400, "tool_choice", "tools"),
+    (CHAT, {"messages": MSG, "tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
+     400, "tool_choice", "cannot be combined"),
     (CHAT, {"messages": [{"role": "user", "content": "x" * 200}]}, 400, "messages", "max_model_len"),
 ]
 

@@ -1,11 +1,11 @@
 """`python -m entrypoints.openai.serve --model=default` in a real process: the real engine
-(SmolLM2-135M on the CPU) behind the server. One server for the module; small buckets (the engine
-tests' shapes, so the persistent compilation cache is shared with them).
+(SmolLM2-135M on the CPU) behind the server. One server for the session (conftest.py, shared with
+test_server_structured.py); small buckets (the engine tests' shapes, so the persistent
+compilation cache is shared with them).
 """
 
 import asyncio
 import json
-import os
 import pathlib
 import sys
 import time
@@ -15,22 +15,15 @@ import openai
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from server_launcher import ROOT, ServerProcess, http, parse_metrics  # noqa: E402
+from server_launcher import http, parse_metrics  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_MODEL_LEN = 256
-FLAGS = (
-    "--model=default", "--max_num_seqs=8", "--max_num_batched_tokens=128", f"--max_model_len={MAX_MODEL_LEN}",
-    "--block_size=16", "--num_kv_blocks=129", "--token_buckets=16,32,128", "--seq_buckets=8",
-    "--compilation_cache_dir=" + os.environ.get("JAXSERVE_COMPILATION_CACHE", str(ROOT / ".cache" / "jax")),
-)
 
 
 @pytest.fixture(scope="module")
-def server():
-    proc = ServerProcess(*FLAGS, fake=False, startup_timeout=600).start()
-    yield proc
-    assert proc.terminate(timeout=60) == 0, proc.output()[-3000:]
+def server(real_server):
+    return real_server
 
 
 @pytest.fixture(scope="module")
