@@ -36,17 +36,11 @@ from __future__ import annotations
 from scheduler.config import SchedulerConfig
 from scheduler.fairness import GroupSeats
 from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.outputs import (
-    KVWaste,
-    NewRequestData,
-    ScheduledRequest,
-    SchedulerOutput,
-    SchedulerStats,
-    StepResult,
-)
+from scheduler.outputs import NewRequestData, ScheduledRequest, SchedulerOutput, StepResult
 from scheduler.queues import FCFSQueue, PriorityQueue
 from scheduler.request import FinishReason, Request, RequestStatus
 from scheduler.results import append_tokens, check_step_result
+from scheduler.stats import SchedulerObservability
 
 RUNNING = RequestStatus.RUNNING
 
@@ -63,7 +57,7 @@ class _StepPlan:
         self.admitted: list[Request] = []  # started running in this step (new or resumed)
 
 
-class Scheduler:
+class Scheduler(SchedulerObservability):
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.kv_cache_manager = KVCacheManager(config)
@@ -385,31 +379,3 @@ class Scheduler:
         engine finishes them). Idempotent; the output must be the latest one."""
         if scheduler_output.step_id == self._num_steps:
             self._pending = None
-
-    # -- statistics --------------------------------------------------------------------------
-
-    @property
-    def stats(self) -> SchedulerStats:
-        pool = self.kv_cache_manager.pool
-        return SchedulerStats(
-            num_running=len(self.running),
-            num_waiting=len(self.waiting),
-            num_free_blocks=pool.num_free_blocks,
-            num_cached_blocks=pool.num_cached_blocks,
-            num_used_blocks=pool.num_used_blocks,
-            kv_cache_usage=pool.num_used_blocks / (pool.num_blocks - 1),
-            prefix_cache_queries=self.kv_cache_manager.prefix_cache_queries,
-            prefix_cache_hits=self.kv_cache_manager.prefix_cache_hits,
-            num_preemptions=self.num_preemptions,
-            num_evictions=pool.num_evictions,
-            num_steps=self._num_steps,
-        )
-
-    def kv_waste(self) -> KVWaste:
-        """Slots held by running requests' tables versus slots holding computed tokens. O(running)."""
-        kv = self.kv_cache_manager
-        return KVWaste(
-            num_allocated_slots=sum(kv.num_allocated_slots(rid) for rid in self.running),
-            num_token_slots=sum(r.num_computed_tokens for r in self.running.values()),
-            num_requests=len(self.running),
-        )
