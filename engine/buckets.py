@@ -39,6 +39,20 @@ def resolve_token_buckets(config) -> tuple[int, ...]:
     return default_buckets(config.max_num_batched_tokens)
 
 
+def bucket_of(t: int, seq_buckets: tuple[int, ...], logits_per_seq: int) -> Bucket:
+    """Token bucket t's shape: the smallest sequence bucket holding min(t, max rows), and
+    min(t, S * logits_per_seq) logit rows."""
+    s = seq_buckets[bisect.bisect_left(seq_buckets, min(t, seq_buckets[-1]))]
+    return Bucket(t, s, min(t, s * logits_per_seq))
+
+
+def max_logit_rows(config) -> int:
+    """Logit rows of the largest bucket: the most one step can sample or score."""
+    spec = getattr(config, "speculative_config", None)
+    lps = 1 + (spec.num_speculative_tokens if spec is not None else 0)
+    return bucket_of(resolve_token_buckets(config)[-1], resolve_seq_buckets(config), lps).padded_logits
+
+
 def resolve_seq_buckets(config) -> tuple[int, ...]:
     if config.seq_buckets is not None:
         return config.seq_buckets
@@ -82,9 +96,7 @@ class RunnerShapes:
                          f"exceeds the largest bucket {self.bucket_of(self.token_buckets[-1])}")
 
     def bucket_of(self, t: int) -> Bucket:
-        want = min(t, self.seq_buckets[-1])
-        s = self.seq_buckets[bisect.bisect_left(self.seq_buckets, want)]
-        return Bucket(t, s, min(t, s * self.logits_per_seq))
+        return bucket_of(t, self.seq_buckets, self.logits_per_seq)
 
     def buckets(self) -> list[Bucket]:
         return [self.bucket_of(t) for t in self.token_buckets]

@@ -11,7 +11,7 @@ import time
 
 import jax
 
-from engine.buckets import RunnerShapes, resolve_seq_buckets, resolve_token_buckets
+from engine.buckets import RunnerShapes, max_logit_rows, resolve_seq_buckets, resolve_token_buckets
 from engine.config import EngineConfig, resolve_dtype, resolve_scan_layers
 from engine.kv_cache import num_blocks_for
 from engine.model_runner import ModelRunner
@@ -42,7 +42,7 @@ def scheduler_config_for(config: EngineConfig, *, max_model_len: int, num_blocks
         max_model_len=max_model_len, block_size=config.block_size, num_blocks=num_blocks,
         enable_prefix_caching=config.enable_prefix_caching,
         enable_chunked_prefill=config.enable_chunked_prefill, policy=config.policy,
-        kv_allocation=config.kv_allocation,
+        kv_allocation=config.kv_allocation, max_num_logits=max_logit_rows(config),
         max_seqs_per_group=(None if config.max_request_share >= 1
                             else max(1, int(config.max_request_share * config.max_num_seqs))))
 

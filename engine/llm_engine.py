@@ -194,9 +194,16 @@ class LLMEngine:
             raise ParamError("request_id", "request_id: must be a non-empty string")
         if request_id in self._requests:
             raise ParamError("request_id", f"request_id: {request_id!r} is already running")
-        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise ParamError("logprobs", f"logprobs: at most {self.config.max_logprobs}, got {params.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.config.max_logprobs:
+                raise ParamError(name, f"{name}: at most {self.config.max_logprobs}, got {value}")
         ids = self.tokenize(prompt, add_special_tokens)
+        if params.prompt_logprobs is not None and not self.scheduler.config.enable_chunked_prefill and (
+                len(ids) > (self.scheduler.config.max_num_logits or len(ids))):
+            raise ParamError("prompt_logprobs", f"prompt_logprobs: a prompt of {len(ids)} tokens is scored "
+                             f"{self.scheduler.config.max_num_logits} positions per step, which needs "
+                             "chunked prefill (enable_chunked_prefill=True)")
         if params.structured_outputs is not None and grammar is None:
             grammar = self.compile_grammar(params.structured_outputs)
         bias, bad_sequences = build_logit_controls(params, self.tokenizer, self.runner.sample_vocab_size)
@@ -205,7 +212,8 @@ class LLMEngine:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         state = RequestState(request_id, prompt_text if prompt_text is not None else
                              (prompt if isinstance(prompt, str) else None), ids, params,
-                             RequestMetrics(arrival_time=arrival))
+                             RequestMetrics(arrival_time=arrival),
+                             prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
         eos_ids = set() if params.ignore_eos else set(self.tokenizer.eos_token_ids)
         stop_ids = tuple(sorted(set(params.stop_token_ids) | eos_ids))
         base_seed = params.seed if params.seed is not None else (
@@ -223,7 +231,8 @@ class LLMEngine:
             sched_req = Request(seq_id, ids, max_tokens, eos_token_id=None if params.ignore_eos
                                 else self.tokenizer.eos_token_id, stop_token_ids=stop_ids,
                                 ignore_eos=params.ignore_eos, priority=priority, arrival_time=arrival,
-                                sampling=row, group_id=group_id or request_id)
+                                sampling=row, group_id=group_id or request_id,
+                                prompt_logprobs=params.prompt_logprobs is not None and i == 0)
             seq = SequenceState(seq_id, i, state, sched_req, row, self.tokenizer)
             state.seqs.append(seq)
         for seq in state.seqs:  # validated as a whole before any of it reaches the scheduler
@@ -278,6 +287,10 @@ class LLMEngine:
             self.spec.observe(out, result)
         now = time.monotonic()
         touched: dict[str, RequestState] = {}
+        for seq_id, (start, entries) in (result.prompt_logprobs or {}).items():
+            seq = self._seqs.get(seq_id)
+            if seq is not None:
+                seq.parent.add_prompt_logprobs(start, entries)
         logprobs = result.logprobs or [None] * len(result.req_ids)
         for seq_id, lps in zip(result.req_ids, logprobs):
             seq = self._seqs.get(seq_id)

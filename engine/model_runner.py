@@ -74,6 +74,7 @@ class ModelRunner:
                                        sample_vocab_size=shapes.sample_vocab_size,
                                        num_speculative_tokens=shapes.logits_per_seq - 1)
         self._compiled: dict[Bucket, object] = {}
+        self._idle_masks: dict[Bucket, jax.Array] = {}
         self.num_padded_tokens = 0  # padding tokens fed so far (for the padding share)
         self.num_real_tokens = 0
         # A profiler (experiments/profile_step.py) sets this to get each step's phases timed;
@@ -123,7 +124,17 @@ class ModelRunner:
         layout = self._layout(bucket)
         step = jax.jit(functools.partial(self._step, layout=layout), donate_argnums=(1, 2))
         flat = jax.ShapeDtypeStruct((layout.size,), np.int32)
-        return step.lower(self.params, self.kv_cache, self.table.state, flat)
+        mask = jax.ShapeDtypeStruct(layout.mask.shape, np.int32)
+        return step.lower(self.params, self.kv_cache, self.table.state, flat, mask)
+
+    def _token_mask(self, bucket: Bucket, built) -> jax.Array:
+        """The step's token_mask argument: sent when a row is constrained; otherwise a resident
+        zero buffer per bucket (allocated once), so unconstrained steps move no mask bytes."""
+        if built.mask is not None:
+            return jax.device_put(built.mask)
+        if bucket not in self._idle_masks:
+            self._idle_masks[bucket] = jax.device_put(np.zeros_like(self._layout(bucket).mask))
+        return self._idle_masks[bucket]
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         prof = self.profile
@@ -138,14 +149,16 @@ class ModelRunner:
         if prof is not None:
             t1 = time.perf_counter()
             flat = jax.device_put(built.buffer).block_until_ready()
+            mask = self._token_mask(bucket, built).block_until_ready()
             t2 = time.perf_counter()
             self.kv_cache, self.table.state, packed = executable(
-                self.params, self.kv_cache, self.table.state, flat)
+                self.params, self.kv_cache, self.table.state, flat, mask)
             packed.block_until_ready()
             t3 = time.perf_counter()
         else:
             self.kv_cache, self.table.state, packed = executable(
-                self.params, self.kv_cache, self.table.state, jax.device_put(built.buffer))
+                self.params, self.kv_cache, self.table.state, jax.device_put(built.buffer),
+                self._token_mask(bucket, built))
         host = np.asarray(jax.device_get(packed))
         if prof is not None:
             t4 = time.perf_counter()
@@ -168,11 +181,23 @@ class ModelRunner:
         req_ids, tokens, logprobs = [], [], []
         rejected = [] if self.shapes.logits_per_seq > 1 else None
         any_logprobs = bool(wants[sampling].any())
+        prompt_logprobs = None
         i = 0
         for row, sr in enumerate(out.scheduled):
             n = int(row_num_logits[row])
             if not n:
                 continue
+            p = sr.num_prompt_logits
+            if p:  # prompt scoring: rows i .. i + p - 1 hold the prompt tokens' logprobs
+                if prompt_logprobs is None:
+                    prompt_logprobs = {}
+                prompt_logprobs[sr.req_id] = (sr.num_computed_tokens + 1, [
+                    TokenLogprobs(float(host[j, 1]), host[j, 2 : 2 + k].astype(np.int64).tolist(),
+                                  host[j, 2 + k :].tolist()) for j in range(i, i + p)])
+                i, n = i + p, n - p
+                num_kept[row] = n
+                if not n:
+                    continue
             req_ids.append(sr.req_id)
             kept = n
             if n > 1 and rejected is not None:
@@ -192,12 +217,12 @@ class ModelRunner:
                                   host[j, 2 + k :].tolist())
                     for j in range(i, i + kept)] if wants[row] else None)
             i += n
-        return StepResult(req_ids, tokens, logprobs if any_logprobs else None, rejected)
+        return StepResult(req_ids, tokens, logprobs if any_logprobs else None, rejected, prompt_logprobs)
 
 
-def _step(params, kv_cache, table, flat, *, layout: StepLayout, config, attention_backend, interpret,
-          num_logprobs, sample_vocab_size, num_speculative_tokens):
-    inputs = layout.unpack(flat)
+def _step(params, kv_cache, table, flat, token_mask, *, layout: StepLayout, config, attention_backend,
+          interpret, num_logprobs, sample_vocab_size, num_speculative_tokens):
+    inputs = layout.unpack(flat, token_mask)
     table = table.with_joins(inputs.join_slots, inputs.join_values())
     kv_cache, logits = forward_paged(params, config, kv_cache, inputs,
                                      attention_backend=attention_backend, interpret=interpret)

@@ -42,3 +42,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     metrics: RequestMetrics | None = None
+    # SamplingParams.prompt_logprobs: per prompt token {token id: logprob} (its own and the top
+    # n), None for the first; set once the whole prompt is scored.
+    prompt_logprobs: list[dict[int, float] | None] | None = None

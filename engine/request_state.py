@@ -22,6 +22,21 @@ class RequestState:
     params: SamplingParams
     metrics: RequestMetrics
     seqs: list[SequenceState] = dataclasses.field(default_factory=list)
+    # SamplingParams.prompt_logprobs: filled by the first sequence's prompt scoring.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+
+    def add_prompt_logprobs(self, start: int, entries) -> None:
+        """entries[j] scores prompt position start + j; positions already had (a resumed
+        request scores its prompt again) are skipped."""
+        if self.prompt_logprobs is None:
+            return
+        k = self.params.prompt_logprobs
+        for j, lp in enumerate(entries):
+            if start + j != len(self.prompt_logprobs):
+                continue
+            entry = dict(zip(lp.top_token_ids[:k], lp.top_logprobs[:k]))
+            entry[self.prompt_token_ids[start + j]] = lp.logprob
+            self.prompt_logprobs.append(entry)
 
     @property
     def finished(self) -> bool:
@@ -37,8 +52,11 @@ class RequestState:
             for s in self.seqs
         ]
         self.metrics.num_cached_tokens = max((s.request.num_cached_tokens for s in self.seqs), default=0)
+        scored = self.prompt_logprobs
+        done = scored is not None and len(scored) == len(self.prompt_token_ids)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,
-                             finished=self.finished, metrics=self.metrics)
+                             finished=self.finished, metrics=self.metrics,
+                             prompt_logprobs=list(scored) if done else None)
 
 
 class SequenceState:

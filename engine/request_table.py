@@ -169,6 +169,7 @@ class RequestTable:
         self.uses_bias_np = np.zeros(capacity, np.bool_)
         self.constrained_np = np.zeros(capacity, np.bool_)  # has host mask state
         self.mask_states: list[tuple[object, object] | None] = [None] * capacity  # (grammar, banned)
+        self.prompts: list[list[int] | None] = [None] * capacity  # targets of prompt scoring
         self.dirty_np = np.zeros(capacity, np.bool_)
         self._fill = jax.jit(_fill_history, donate_argnums=(0,))
         self._fill_bias = jax.jit(_fill_bias, donate_argnums=(0,))
@@ -206,6 +207,7 @@ class RequestTable:
         self.uses_bias_np[slot] = row.bias is not None
         self.constrained_np[slot] = row.constrained
         self.mask_states[slot] = (row.grammar, row.banned) if row.constrained else None
+        self.prompts[slot] = prompt_token_ids  # the scheduler's list (read, never mutated)
         if row.uses_penalty:
             self._write_history(slot, prompt_token_ids, output_token_ids)
         if row.bias is not None:
@@ -220,6 +222,7 @@ class RequestTable:
         self.uses_bias_np[slot] = False
         self.constrained_np[slot] = False
         self.mask_states[slot] = None
+        self.prompts[slot] = None
         self._free.append(slot)
 
     def commit(self, slots: np.ndarray, num_kept: np.ndarray) -> None:

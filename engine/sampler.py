@@ -19,6 +19,8 @@ penalty state are gathered from the table on the device (engine/request_table.py
    With speculative decoding (num_speculative_tokens > 0; engine/spec_decode/verify.py), a row's
    penalties also count the drafts before it in its request, and only the kept tokens (the
    longest prefix whose samples equal the drafts, plus one) are counted.
+   Prompt-scoring rows (`logits_targets` >= 0: prompt logprobs) report their prompt token and
+   its logprob instead of a sample, and are not counted.
 6. Everything the host needs is packed into one float32 array [L, 2 + 2 * num_logprobs]: the
    sampled id, its logprob, the top ids, their logprobs (ids < 2^24 are exact in float32), so a
    step makes one device-to-host copy.
@@ -110,7 +112,8 @@ def sample(logits, inputs, table: TableState, *, num_logprobs: int, num_speculat
     k = num_speculative_tokens
     draft_counts = None
     if k:
-        is_draft, draft_ids = draft_rows(slots, inputs.logits_indices, inputs.input_ids, capacity)
+        is_draft, draft_ids = draft_rows(slots, inputs.logits_indices, inputs.input_ids, capacity,
+                                         inputs.logits_targets)
         draft_counts = lambda: earlier_draft_counts(slots, draft_ids, vocab, k)  # noqa: E731
     logits = jax.lax.cond(inputs.flags[5] > 0, lambda x: x + table.logit_bias[gather_slots],
                           lambda x: x, logits)
@@ -128,11 +131,15 @@ def sample(logits, inputs, table: TableState, *, num_logprobs: int, num_speculat
 
     sampled = jax.lax.cond(inputs.flags[0] > 0, random_ids, lambda x: greedy_ids, penalized)
     token_ids = jnp.where(rows.temperature > 0, sampled, greedy_ids).astype(jnp.int32)
+    # Prompt-scoring rows report their prompt token (its logprob below) and are no outputs.
+    scoring = inputs.logits_targets >= 0
+    token_ids = jnp.where(scoring, inputs.logits_targets, token_ids)
+    counted = jnp.where(scoring, capacity, slots)
     if k:  # rows after a rejected draft are not outputs: their tokens are not counted
         kept = kept_rows(slots, is_draft, draft_ids, token_ids, k, capacity)
-        table = table.count_tokens(jnp.where(kept, slots, capacity), token_ids)
+        table = table.count_tokens(jnp.where(kept, counted, capacity), token_ids)
     else:
-        table = table.count_tokens(slots, token_ids)
+        table = table.count_tokens(counted, token_ids)
     token_logprob = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)[:, 0]
     parts = [token_ids.astype(jnp.float32)[:, None], token_logprob[:, None]]
     if num_logprobs:

@@ -59,6 +59,7 @@ BOUNDS: dict[str, Bound] = {
     "repetition_penalty": Bound(float, 0.0, 100.0, low_open=True),
     "seed": Bound(int, -(2**63), 2**64 - 1),  # any 64-bit seed; hashed to uint32 per sample
     "logprobs": Bound(int, 0, MAX_LOGPROBS),
+    "prompt_logprobs": Bound(int, 0, MAX_LOGPROBS),
     "stop_token_ids": Bound(int, 0, INT32_MAX),  # each entry
     "prompt_token_ids": Bound(int, 0, INT32_MAX),  # each entry; the engine checks the vocabulary
     "logit_bias": Bound(float, -100.0, 100.0),  # each value (OpenAI's range); keys are token ids
@@ -131,6 +132,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n log-probabilities per generated token (+ the sampled one)
+    # top-n log-probabilities per prompt token (+ the token's own), vLLM's prompt_logprobs:
+    # RequestOutput.prompt_logprobs, None for the first token. The prompt skips the prefix cache.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Constrained decoding (engine/structured_output/): a JSON schema, regex, choice or grammar.
@@ -152,7 +156,7 @@ class SamplingParams:
         for name in ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):
             check_bound(name, getattr(self, name))
-        for name in ("max_tokens", "seed", "logprobs"):  # optional
+        for name in ("max_tokens", "seed", "logprobs", "prompt_logprobs"):  # optional
             if getattr(self, name) is not None:
                 check_bound(name, getattr(self, name))
         for t in self.stop_token_ids:

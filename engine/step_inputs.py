@@ -39,6 +39,9 @@ class StepInputs:
     logits_indices: jax.Array  # int32[L] token index of each logit row; 0 for padding
     logits_slots: jax.Array  # int32[L] request-table slot of the row's request; R for padding
     logits_steps: jax.Array  # int32[L] output index of the token it samples (the rng step)
+    # int32[L] prompt scoring: the prompt token whose logprob the row reports (nothing is
+    # sampled or counted); -1 for rows that sample
+    logits_targets: jax.Array
     flags: jax.Array  # int32[6] any row: [samples randomly, uses a filter, uses a penalty, wants logprobs,
     #                   has a token mask, uses a logit bias]
     # -- request-table joins: rows whose sampling values are not on the device yet --
@@ -51,9 +54,12 @@ class StepInputs:
     join_frequency_penalty: jax.Array  # float32[S]
     join_repetition_penalty: jax.Array  # float32[S]
     join_seed: jax.Array  # uint32[S]
-    # -- token masks (structured output): the last fields, outside the per-step zero fill --
+    # -- token masks (structured output) --
     mask_index: jax.Array  # int32[L] row of token_mask for each logit row; L = unconstrained
-    token_mask: jax.Array  # int32[L, W] packed allowed-token bits; only indexed rows are meaningful
+    # int32[L, W] packed allowed-token bits; only indexed rows are meaningful. Not in the flat
+    # buffer: its own argument of the step, sent only in steps with a constrained row (otherwise
+    # the runner passes a resident buffer and flags[4] = 0 skips the mask).
+    token_mask: jax.Array
 
     def join_values(self) -> dict:
         return {name: getattr(self, "join_" + name) for name, _, _ in SAMPLING_FIELDS}
@@ -72,9 +78,9 @@ class StepLayout:
         shapes = {
             "input_ids": (t,), "positions": (t,), "slot_mapping": (t,), "query_start_loc": (s + 1,),
             "seq_lens": (s,), "block_tables": (s, max_blocks_per_seq), "num_seqs": (),
-            "logits_indices": (lg,), "logits_slots": (lg,), "logits_steps": (lg,), "flags": (6,),
+            "logits_indices": (lg,), "logits_slots": (lg,), "logits_steps": (lg,), "logits_targets": (lg,), "flags": (6,),
             "join_slots": (s,), **{name: (s,) for name in _DTYPES},
-            "mask_index": (lg,), "token_mask": (lg, mask_words),
+            "mask_index": (lg,),
         }
         self.slices: dict[str, tuple[int, int, tuple[int, ...]]] = {}
         offset = 0
@@ -83,8 +89,8 @@ class StepLayout:
             self.slices[name] = (offset, offset + size, shape)
             offset += size
         self.size = offset
-        self.mask_start = self.slices["token_mask"][0]  # the zero fill stops here
         self.buffer = np.zeros(offset, np.int32)
+        self.mask = np.zeros((lg, mask_words), np.int32)  # token_mask's host buffer
         self.views = {name: self._view(name) for name in shapes}
 
     def _view(self, name: str) -> np.ndarray:
@@ -95,9 +101,9 @@ class StepLayout:
             flat = flat.view(dtype)
         return flat.reshape(shape)
 
-    def unpack(self, flat: jax.Array) -> StepInputs:
-        """Inside the compiled step: the flat int32[size] array back into StepInputs."""
-        fields = {}
+    def unpack(self, flat: jax.Array, token_mask: jax.Array) -> StepInputs:
+        """Inside the compiled step: the flat int32[size] array (and the mask) as StepInputs."""
+        fields = {"token_mask": token_mask}
         for name, (start, end, shape) in self.slices.items():
             x = flat[start:end].reshape(shape)
             dtype = _DTYPES.get(name, np.int32)
@@ -115,6 +121,7 @@ class BuiltStep:
     row_slots: np.ndarray  # int32[num_seqs] table slot of each scheduled row
     row_num_logits: np.ndarray  # int32[num_seqs] logit rows of each scheduled row
     num_logits: int  # real logit rows (the first num_logits of L)
+    mask: np.ndarray | None = None  # the layout's token_mask buffer when a row is constrained
 
 
 class BatchBuilder:
@@ -144,12 +151,13 @@ class BatchBuilder:
         if num_tokens > layout.padded_tokens or num_seqs > layout.padded_seqs:
             raise ValueError(f"step of {num_tokens} tokens / {num_seqs} seqs exceeds bucket "
                              f"({layout.padded_tokens}, {layout.padded_seqs})")
-        layout.buffer[: layout.mask_start].fill(0)  # padding: token 0 at position 0 in the null block, rows empty
+        layout.buffer.fill(0)  # padding: token 0 at position 0 in the null block, rows empty
         bs = self.block_size
         slot_of = table.slot_of
         q_lens = np.fromiter((sr.num_scheduled_tokens for sr in scheduled), np.int32, num_seqs)
         starts = np.fromiter((sr.num_computed_tokens for sr in scheduled), np.int32, num_seqs)
         row_logits = np.fromiter((sr.num_logits for sr in scheduled), np.int32, num_seqs)
+        row_prompt = np.fromiter((sr.num_prompt_logits for sr in scheduled), np.int32, num_seqs)
         row_slots = np.fromiter((slot_of[sr.req_id] for sr in scheduled), np.int32, num_seqs)
         num_logits = int(row_logits.sum())
         if num_logits > layout.padded_logits:
@@ -178,7 +186,13 @@ class BatchBuilder:
         sampled_slots = row_slots[logit_row]
         v["logits_slots"][:num_logits] = sampled_slots
         v["logits_slots"][num_logits:] = table.capacity
-        v["logits_steps"][:num_logits] = table.num_output_np[sampled_slots] + within
+        # A scored prompt chunk's first rows score prompt tokens; its sampling row (if any) is
+        # output 0 after them.
+        prompt_rows = np.repeat(row_prompt, row_logits)
+        v["logits_steps"][:num_logits] = table.num_output_np[sampled_slots] + np.maximum(within - prompt_rows, 0)
+        v["logits_targets"][:] = -1
+        if row_prompt.any():
+            self._prompt_targets(v["logits_targets"], scheduled, row_logits, row_prompt, table)
         # Joins: the rows whose values are not on the device yet.
         v["join_slots"][:] = table.capacity
         dirty = table.dirty_np[row_slots]
@@ -187,16 +201,31 @@ class BatchBuilder:
         for name, _, _ in SAMPLING_FIELDS:
             v["join_" + name][: len(join_slots)] = table.values_np[name][join_slots]
         random = table.values_np["temperature"][sampled_slots] > 0
-        masked = self._fill_masks(layout, table, sampled_slots, row_logits[logit_row])
+        masked = self._fill_masks(layout, table, sampled_slots, (row_logits - row_prompt)[logit_row],
+                                  within >= prompt_rows)
         v["flags"][:] = (random.any(), table.uses_filter_np[sampled_slots].any(),
                          table.uses_penalty_np[sampled_slots].any(),
-                         table.wants_logprobs_np[sampled_slots].any(), masked,
+                         table.wants_logprobs_np[sampled_slots].any() or row_prompt.any(), masked,
                          table.uses_bias_np[sampled_slots].any())
-        return BuiltStep(layout.buffer, row_slots, row_logits, num_logits)
+        return BuiltStep(layout.buffer, row_slots, row_logits, num_logits, layout.mask if masked else None)
 
-    def _fill_masks(self, layout: StepLayout, table: RequestTable, sampled_slots, logits_of_row) -> bool:
-        """Writes the token mask of every constrained logit row; False when there is none."""
-        rows = np.flatnonzero(table.constrained_np[sampled_slots])
+    @staticmethod
+    def _prompt_targets(targets, scheduled, row_logits, row_prompt, table: RequestTable) -> None:
+        """The next prompt token of every prompt-scoring logit row (the rows come first in their
+        row: positions start .. start + p - 1 score the prompt tokens after them)."""
+        first = np.cumsum(row_logits) - row_logits
+        for row in np.flatnonzero(row_prompt):
+            sr = scheduled[row]
+            p = int(row_prompt[row])
+            prompt = table.prompts[table.slot_of[sr.req_id]]
+            start = sr.num_computed_tokens + 1
+            targets[first[row] : first[row] + p] = prompt[start : start + p]
+
+    def _fill_masks(self, layout: StepLayout, table: RequestTable, sampled_slots, logits_of_row,
+                    sampling_rows) -> bool:
+        """Writes the token mask of every constrained logit row that samples (prompt-scoring rows
+        stay unmasked); False when there is none."""
+        rows = np.flatnonzero(table.constrained_np[sampled_slots] & sampling_rows)
         if not rows.size:
             return False
         if (logits_of_row[rows] != 1).any():
@@ -206,7 +235,7 @@ class BatchBuilder:
         v = layout.views
         v["mask_index"][:] = layout.padded_logits
         v["mask_index"][rows] = rows
-        mask = v["token_mask"]
+        mask = layout.mask
         states = [table.mask_states[s] for s in sampled_slots[rows]]
         grammar_rows = [r for r, (g, _) in zip(rows, states) if g is not None]
         if grammar_rows:

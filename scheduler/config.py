@@ -40,6 +40,10 @@ class SchedulerConfig:
     # samples) holds more than this many running seats; None = no cap. Work-conserving: with
     # nobody else waiting a group may fill the batch.
     max_seqs_per_group: int | None = None
+    # Most logit rows one step can hold (the runner's largest bucket); only prompt-scoring
+    # requests (Request.prompt_logprobs, one row per prompt position) come near it. None: no cap
+    # beyond the token budget.
+    max_num_logits: int | None = None
 
     def __post_init__(self) -> None:
         _check_positive_int("max_num_seqs", self.max_num_seqs)

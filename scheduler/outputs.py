@@ -25,13 +25,23 @@ class ScheduledRequest:
     block_ids: list[int]
     # How many of this row's last positions are sampled: 0 for a prefill chunk that is not the
     # last, 1 when the chunk reaches the request's last known token (a decode, a final prefill
-    # chunk), 1 + k when the row carries k draft tokens to verify (speculative decoding).
+    # chunk), 1 + k when the row carries k draft tokens to verify (speculative decoding), every
+    # position of a prompt chunk whose prompt is scored (Request.prompt_logprobs).
     num_logits: int
+    # The first num_prompt_logits of those rows score the prompt's next token (its logprob is
+    # reported, nothing is sampled): all of a scored prompt chunk's rows except the last when it
+    # reaches the end of the prompt (that one samples the first output token). 0 otherwise.
+    num_prompt_logits: int = 0
 
     @property
     def sample(self) -> bool:
         """True when the step samples at least one token for this row."""
-        return self.num_logits > 0
+        return self.num_logits > self.num_prompt_logits
+
+    @property
+    def num_sampled(self) -> int:
+        """Logit rows that sample (the rest score prompt tokens)."""
+        return self.num_logits - self.num_prompt_logits
 
 
 @dataclasses.dataclass(slots=True)
@@ -100,6 +110,10 @@ class StepResult:
     # Per request, how many of its scheduled positions must be computed again (rejected draft
     # tokens): update() rolls num_computed_tokens back by that much. None: all zero.
     num_rejected_tokens: list[int] | None = None
+    # Prompt scoring (ScheduledRequest.num_prompt_logits > 0): req_id -> (p, entries), where
+    # entries[j] is the TokenLogprobs of the prompt token at position p + j given the tokens
+    # before it. None when no row scored its prompt. The scheduler does not read it.
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] | None = None
 
 
 @dataclasses.dataclass(slots=True)

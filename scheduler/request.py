@@ -50,6 +50,7 @@ class Request:
         "sampling",
         "group_id",
         "spec_token_ids",
+        "prompt_logprobs",
         "_admitted",
     )
 
@@ -65,6 +66,7 @@ class Request:
         arrival_time: float | None = None,
         sampling: object = None,
         group_id: str | None = None,
+        prompt_logprobs: bool = False,
     ) -> None:
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ValueError(f"Request.max_tokens must be a positive integer, got {max_tokens!r}")
@@ -97,6 +99,10 @@ class Request:
         # proposer before schedule(); schedule() consumes them (clamped to the budget, max_tokens
         # and max_model_len) and clears them. They are not tokens of the request until accepted.
         self.spec_token_ids: list[int] = []
+        # Score every prompt position (prompt logprobs, `echo` with `logprobs`): until its prompt
+        # is computed the request skips the prefix cache, and each prompt chunk samples at all of
+        # its positions (ScheduledRequest.num_prompt_logits); update() clears it then.
+        self.prompt_logprobs = bool(prompt_logprobs)
         self._admitted = False
 
     @property

@@ -54,12 +54,12 @@ def check_step_result(output: SchedulerOutput, result: StepResult, pending: dict
     )
     missing, bad = [], []
     for sr in output.scheduled:
-        if not sr.num_logits or pending[sr.req_id].status is not RequestStatus.RUNNING:
-            continue
+        if sr.num_logits == sr.num_prompt_logits or pending[sr.req_id].status is not RequestStatus.RUNNING:
+            continue  # samples nothing (a prefill chunk, a scored prompt chunk), or gone
         tokens = sampled.get(sr.req_id)
         if tokens is None:
             missing.append(sr.req_id)
-        elif not 1 <= len(tokens) <= sr.num_logits or (
+        elif not 1 <= len(tokens) <= sr.num_logits - sr.num_prompt_logits or (
             rejected is not None
             and not 0 <= rejected[sr.req_id] < min(sr.num_scheduled_tokens, sr.num_logits)
         ):

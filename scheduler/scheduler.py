@@ -33,6 +33,7 @@ adds an O(running) scan for the victim.
 
 from __future__ import annotations
 
+from scheduler.budget import clamp_drafts, fit_logits
 from scheduler.config import SchedulerConfig
 from scheduler.fairness import GroupSeats
 from scheduler.kv_cache_manager import KVCacheManager
@@ -48,10 +49,11 @@ RUNNING = RequestStatus.RUNNING
 class _StepPlan:
     """What one schedule() call has decided so far."""
 
-    __slots__ = ("budget", "scheduled", "preempted", "admitted")
+    __slots__ = ("budget", "logits", "scheduled", "preempted", "admitted")
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, logits: int) -> None:
         self.budget = budget
+        self.logits = logits  # logit rows left (SchedulerConfig.max_num_logits)
         self.scheduled: dict[str, ScheduledRequest] = {}  # insertion order is the output order
         self.preempted: dict[str, None] = {}
         self.admitted: list[Request] = []  # started running in this step (new or resumed)
@@ -135,7 +137,7 @@ class Scheduler(SchedulerObservability):
                 "SchedulerOutput and its StepResult to update() first"
             )
         config = self.config
-        plan = _StepPlan(config.max_num_batched_tokens)
+        plan = _StepPlan(config.max_num_batched_tokens, config.max_num_logits or config.max_num_batched_tokens)
         if config.policy == "static" and not self.running:
             self._admit_static_batch(plan)
 
@@ -164,11 +166,11 @@ class Scheduler(SchedulerObservability):
             drafts = request.spec_token_ids
             if drafts:
                 request.spec_token_ids = []
-                drafts = self._clamp_drafts(request, drafts, spare)
+                drafts = clamp_drafts(request, drafts, spare, self.config.max_model_len)
                 spare -= len(drafts)
             if plan.budget >= 1 + len(drafts):
                 self._schedule_running(request, 1 + len(drafts), plan, drafts)
-        for request in prefilling:
+        for i, request in enumerate(prefilling):
             if plan.budget == 0:
                 break
             if request.status is not RUNNING:
@@ -178,7 +180,12 @@ class Scheduler(SchedulerObservability):
                 if not config.enable_chunked_prefill:
                     continue
                 num_new = plan.budget
-            self._schedule_running(request, num_new, plan)
+            # A scored prompt leaves a logit row for every row that may still join this step.
+            reserve = len(prefilling) - i - 1 + min(len(self.waiting), config.max_num_seqs - len(self.running))
+            num_new = fit_logits(request, num_new, request.num_tokens - request.num_computed_tokens,
+                                 plan.logits, reserve)
+            if num_new:
+                self._schedule_running(request, num_new, plan)
 
         # Step 4: admissions (none after a preemption: the pool is short already).
         if config.policy != "static" and not plan.preempted:
@@ -202,13 +209,6 @@ class Scheduler(SchedulerObservability):
         self._pending = {rid: self.running[rid] for rid in plan.scheduled}
         return output
 
-    def _clamp_drafts(self, request: Request, drafts: list[int], spare: int) -> list[int]:
-        """Drafts within the spare budget that never carry the request past max_tokens (a bonus
-        token comes on top) or its last position past max_model_len - 2."""
-        room = min(spare, request.max_tokens - len(request.output_token_ids) - 1,
-                   self.config.max_model_len - 1 - request.num_tokens)
-        return list(drafts[: max(room, 0)])
-
     def _schedule_running(self, request: Request, num_new: int, plan: _StepPlan,
                           drafts: list[int] | None = None) -> None:
         """Allocate for and schedule a running request, preempting others while blocks are short.
@@ -229,7 +229,8 @@ class Scheduler(SchedulerObservability):
             request = self.group_seats.pick(self.waiting.peek(), self.waiting)
             if request.req_id in plan.preempted:
                 return  # preempted in this step: it must not be scheduled in it
-            computed = kv.get_computed_blocks(request)  # takes no references yet
+            # takes no references yet; a prompt to score is computed whole
+            computed = [] if request.prompt_logprobs else kv.get_computed_blocks(request)
             num_computed = len(computed) * block_size
             num_new = request.num_tokens - num_computed
             if num_new > plan.budget:
@@ -237,6 +238,10 @@ class Scheduler(SchedulerObservability):
                     return  # the prompt waits for a step with room, and so does the queue
                 num_new = plan.budget
             if len(self.running) >= config.max_num_seqs and not self._make_room(request, plan):
+                return
+            reserve = min(len(self.waiting), config.max_num_seqs - len(self.running)) - 1
+            num_new = fit_logits(request, num_new, request.num_tokens - num_computed, plan.logits, reserve)
+            if not num_new:
                 return
             if kv.allocate_slots(request, num_new, computed) is None:
                 if self._make_room(request, plan):
@@ -277,11 +282,16 @@ class Scheduler(SchedulerObservability):
         start = request.num_computed_tokens
         end = start + num_new
         req_id = request.req_id
+        num_prompt_logits = 0
         if drafts:  # a decode verifying drafts: its last token, then the drafts, all sampled
             token_ids, num_logits = request.token_slice(start, start + 1) + drafts, 1 + len(drafts)
         else:  # sample once the chunk reaches the last known token
             token_ids = request.token_slice(start, end)
-            num_logits = int(end == len(request.prompt_token_ids) + len(request.output_token_ids))
+            reaches_end = end == len(request.prompt_token_ids) + len(request.output_token_ids)
+            num_logits = int(reaches_end)
+            if request.prompt_logprobs:  # every position scores the next prompt token, or samples
+                num_logits, num_prompt_logits = num_new, num_new - int(reaches_end)
+        plan.logits -= num_logits
         plan.scheduled[req_id] = ScheduledRequest(  # positional: this runs once per request
             req_id,  # req_id
             token_ids,  # token_ids
@@ -289,6 +299,7 @@ class Scheduler(SchedulerObservability):
             num_new,  # num_scheduled_tokens
             self.kv_cache_manager.block_tables[req_id],  # block_ids: the live table, no copy
             num_logits,  # num_logits
+            num_prompt_logits,  # num_prompt_logits
         )
         plan.budget -= num_new
 
@@ -334,6 +345,7 @@ class Scheduler(SchedulerObservability):
         unscheduled = plan.scheduled.pop(victim.req_id, None)
         if unscheduled is not None:
             plan.budget += unscheduled.num_scheduled_tokens
+            plan.logits += unscheduled.num_logits
         plan.preempted[victim.req_id] = None
 
     # -- update ------------------------------------------------------------------------------
@@ -360,12 +372,14 @@ class Scheduler(SchedulerObservability):
             if request.status is not RUNNING:
                 continue  # aborted or finished by the engine between schedule() and update()
             reason = None
-            if sr.num_logits:
+            if sr.num_logits > sr.num_prompt_logits:
                 num_back = rejected.get(sr.req_id, 0) if rejected else 0
                 request.num_computed_tokens += sr.num_scheduled_tokens - num_back
                 reason = append_tokens(request, sampled[sr.req_id], max_model_len)
             else:
                 request.num_computed_tokens += sr.num_scheduled_tokens
+            if request.prompt_logprobs and request.num_computed_tokens >= len(request.prompt_token_ids):
+                request.prompt_logprobs = False  # scored; a resume may use the prefix cache
             # Cache before freeing, so a finished request's full blocks stay reusable.
             kv.cache_full_blocks(request)
             if reason is not None:

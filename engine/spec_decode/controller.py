@@ -106,7 +106,7 @@ class SpecDecoder:
         row_of = {rid: i for i, rid in enumerate(result.req_ids)}
         stats = self._stats
         for sr in out.scheduled:
-            drafted = sr.num_logits - 1
+            drafted = sr.num_logits - sr.num_prompt_logits - 1  # scored prompt rows draft nothing
             if drafted <= 0 or sr.req_id not in row_of:
                 continue
             accepted = drafted - rejected[row_of[sr.req_id]]

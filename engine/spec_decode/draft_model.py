@@ -50,7 +50,7 @@ class DraftModelProposer:
             computed.pop(new.req_id, None)  # a resumed request starts over from its prefix hit
         rows, drafting = [], []
         for sr in out.scheduled:
-            num_drafts = sr.num_logits - 1 if sr.num_logits > 1 else 0
+            num_drafts = sr.num_logits - 1 if sr.num_logits > 1 and not sr.num_prompt_logits else 0
             end = sr.num_computed_tokens + (1 if num_drafts else sr.num_scheduled_tokens)
             start = min(computed.get(sr.req_id, sr.num_computed_tokens), sr.num_computed_tokens)
             if start == sr.num_computed_tokens:

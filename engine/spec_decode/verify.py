@@ -31,11 +31,14 @@ def _shift(x, m: int, fill):
     return jnp.concatenate([jnp.full((m,), fill, x.dtype), x])[: x.shape[0]]
 
 
-def draft_rows(logits_slots, logits_indices, input_ids, capacity: int):
+def draft_rows(logits_slots, logits_indices, input_ids, capacity: int, logits_targets=None):
     """(is_draft bool[L]: the next input token of this logit row is a draft it verifies,
-    draft_ids int32[L]: that token, -1 elsewhere)."""
+    draft_ids int32[L]: that token, -1 elsewhere). Prompt-scoring rows (logits_targets >= 0)
+    are followed by rows of their own request too, but verify nothing."""
     nxt = jnp.concatenate([logits_slots[1:], jnp.full((1,), capacity, logits_slots.dtype)])
     is_draft = (nxt == logits_slots) & (logits_slots < capacity)
+    if logits_targets is not None:
+        is_draft &= logits_targets < 0
     nxt_ids = input_ids[jnp.minimum(logits_indices + 1, input_ids.shape[0] - 1)]
     return is_draft, jnp.where(is_draft, nxt_ids, -1)
 

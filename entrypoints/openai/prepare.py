@@ -52,6 +52,8 @@ class Job:
     include_usage: bool
     chat_logprobs: bool = False
     echo_texts: list[str] | None = None
+    echo_logprobs: bool = False  # `echo` with `logprobs`: the prompt's tokens lead the logprobs
+    return_prompt_logprobs: bool = False  # vLLM's per-choice prompt_logprobs
     prompt_param: str = "prompt"
     grammar: object = None  # the compiled structured-output grammar (engine CompiledGrammar)
     tools: ToolPlan | None = None
@@ -193,7 +195,9 @@ class Preparer:
         grammar = self._grammar(req.params)
         return Job(chat=False, response_id=f"cmpl-{uuid.uuid4().hex}", model=req.model or self.model_name,
                    prompt_ids=prompt_ids, params=req.params, stream=req.stream,
-                   include_usage=req.include_usage, echo_texts=echo, grammar=grammar)
+                   include_usage=req.include_usage, echo_texts=echo, grammar=grammar,
+                   echo_logprobs=req.echo and req.params.logprobs is not None,
+                   return_prompt_logprobs=req.return_prompt_logprobs)
 
     def chat(self, raw: bytes) -> Job:
         req = parse_chat_request(parse_json(raw), self.served_names, self.limits)

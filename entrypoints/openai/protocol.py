@@ -75,6 +75,7 @@ class CompletionRequest:
     stream: bool
     include_usage: bool  # stream_options.include_usage
     echo: bool  # prepend the prompt to the returned text
+    return_prompt_logprobs: bool = False  # vLLM's prompt_logprobs field was sent
 
 
 @dataclasses.dataclass
@@ -192,7 +193,7 @@ def _stream(body: dict) -> tuple[bool, bool]:
     return stream, _bool(options, "include_usage")
 
 
-def _sampling(body: dict, limits: RequestLimits, *, max_tokens, logprobs) -> SamplingParams:
+def _sampling(body: dict, limits: RequestLimits, *, max_tokens, logprobs, prompt_logprobs=None) -> SamplingParams:
     n = _bounded(body, "n", 1)
     if n > limits.max_n:
         raise ProtocolError(f"'n' must be <= {limits.max_n} on this server, got {n}", param="n")
@@ -215,6 +216,7 @@ def _sampling(body: dict, limits: RequestLimits, *, max_tokens, logprobs) -> Sam
         skip_special_tokens=_bool(body, "skip_special_tokens", True),
         include_stop_str_in_output=_bool(body, "include_stop_str_in_output"),
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         **parse_constraints(body),
     )
     stop_token_ids = body.get("stop_token_ids")
@@ -246,11 +248,14 @@ def parse_completion_request(body, served_names: tuple[str, ...],
     max_tokens = _bounded(body, "max_tokens", 16)
     logprobs = _bounded(body, "logprobs", None)
     echo = _bool(body, "echo")
+    # vLLM's prompt_logprobs (returned per choice); `echo` with `logprobs` also scores the
+    # prompt, shown in the logprobs object ahead of the generated tokens, as OpenAI does.
+    prompt_logprobs = _bounded(body, "prompt_logprobs", None, bound="logprobs")
     if echo and logprobs is not None:
-        raise ProtocolError("'echo' with 'logprobs' asks for the prompt's logprobs, which this server does not "
-                            "compute; drop one of them", param="logprobs", code="unsupported")
-    params = _sampling(body, limits, max_tokens=max_tokens, logprobs=logprobs)
-    return CompletionRequest(model, prompts, params, stream, include_usage, echo=echo)
+        prompt_logprobs = max(logprobs, prompt_logprobs or 0)
+    params = _sampling(body, limits, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+    return CompletionRequest(model, prompts, params, stream, include_usage, echo=echo,
+                             return_prompt_logprobs=body.get("prompt_logprobs") is not None)
 
 
 def _prompts(value, limits: RequestLimits) -> list[str | list[int]]:

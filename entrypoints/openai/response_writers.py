@@ -35,8 +35,11 @@ from entrypoints.openai.responses import (
     completion_choice,
     completion_logprobs,
     envelope,
+    join_completion_logprobs,
+    prompt_completion_logprobs,
     tool_finish_reason,
     usage,
+    vllm_prompt_logprobs,
 )
 from entrypoints.openai.tools import ToolStreamer, parse_tool_output
 
@@ -65,10 +68,25 @@ class ResponseWriter:
     def _choice_index(self, job: Job, stream: RequestStream, request_id: str, sample_index: int) -> int:
         return stream.request_ids.index(request_id) * job.params.n + sample_index
 
+    def _prompt_parts(self, job: Job, index: int, scored) -> tuple[dict | None, list | None]:
+        """A choice's prompt scoring: (the legacy logprobs of the echoed prompt, vLLM's
+        prompt_logprobs), each None unless asked for."""
+        if scored is None:
+            return None, None
+        prompt_ids = job.prompt_ids[index // job.params.n]
+        echoed = (prompt_completion_logprobs(self.token_texts, prompt_ids, scored, job.params.logprobs)
+                  if job.echo_logprobs else None)
+        listed = (vllm_prompt_logprobs(self.token_texts, prompt_ids, scored, job.params.prompt_logprobs)
+                  if job.return_prompt_logprobs else None)
+        return echoed, listed
+
     async def whole_response(self, job: Job, stream: RequestStream) -> web.Response:
         finals = {}
+        scored = {}  # request_id -> RequestOutput.prompt_logprobs
         while not stream.done:
             for request_id, output in (await stream.next_outputs()).items():
+                if getattr(output, "prompt_logprobs", None) is not None:
+                    scored[request_id] = output.prompt_logprobs
                 for completion in output.outputs:
                     if getattr(completion, "error", None) is not None:
                         raise self._failure(completion.error)
@@ -91,7 +109,14 @@ class ResponseWriter:
                     cursor.text_offset = len(job.echo_texts[index // job.params.n])
                     text = job.echo_texts[index // job.params.n] + text
                 logprobs = completion_logprobs(self.token_texts, cursor, delta, num_top) if num_top is not None else None
-                choices.append(completion_choice(index, text, logprobs, delta))
+                echoed, listed = self._prompt_parts(
+                    job, index, scored.get(stream.request_ids[index // job.params.n]))
+                if echoed is not None:
+                    logprobs = join_completion_logprobs(echoed, logprobs)
+                choice = completion_choice(index, text, logprobs, delta)
+                if listed is not None:
+                    choice["prompt_logprobs"] = listed
+                choices.append(choice)
         num_generated = sum(len(c.token_ids) for c in finals.values())
         body = envelope(job.response_id, "chat.completion" if job.chat else "text_completion", int(time.time()),
                         job.model, choices, usage=usage(sum(map(len, job.prompt_ids)), num_generated))
@@ -114,11 +139,14 @@ class ResponseWriter:
             if job.chat:
                 first = [chat_chunk_choice(i, {"role": "assistant", "content": ""}, None, None) for i in range(num_choices)]
                 await response.write(chunk(first).encode())
-            elif job.echo_texts is not None:
+            elif job.echo_texts is not None and job.params.prompt_logprobs is None:
                 for i in range(num_choices):
                     cursors[i].text_offset = len(job.echo_texts[i // job.params.n])
                 echoed = [completion_choice(i, job.echo_texts[i // job.params.n], None, None) for i in range(num_choices)]
                 await response.write(chunk(echoed).encode())
+            # A scored prompt (echo with logprobs, prompt_logprobs) goes out with the first output
+            # that carries it: choices not sent yet.
+            index_of_echo = set(range(num_choices)) if job.params.prompt_logprobs is not None else None
             failed = False
             while not stream.done and not failed:
                 try:
@@ -130,6 +158,8 @@ class ResponseWriter:
                     await response.write(_sse(error.to_dict()).encode())
                 parts = []
                 for request_id, output in outputs.items():
+                    if index_of_echo is not None and getattr(output, "prompt_logprobs", None) is not None:
+                        parts += self._echo_scored(job, stream, request_id, output, cursors, index_of_echo, chunk)
                     for completion in output.outputs:
                         if getattr(completion, "error", None) is not None and not failed:
                             failed = True
@@ -160,6 +190,25 @@ class ResponseWriter:
         except ConnectionError:  # the client went away; _generate's finally aborts its requests
             logger.info("client disconnected from %s", job.response_id)
         return response
+
+    def _echo_scored(self, job: Job, stream: RequestStream, request_id: str, output, cursors, pending: set,
+                     chunk) -> list[str]:
+        parts = []
+        for sample in range(job.params.n):
+            index = self._choice_index(job, stream, request_id, sample)
+            if index not in pending:
+                continue
+            pending.discard(index)
+            echoed, listed = self._prompt_parts(job, index, output.prompt_logprobs)
+            text = ""
+            if job.echo_texts is not None:
+                text = job.echo_texts[index // job.params.n]
+                cursors[index].text_offset = len(text)
+            choice = completion_choice(index, text, echoed, None)
+            if listed is not None:
+                choice["prompt_logprobs"] = listed
+            parts.append(chunk([choice]))
+        return parts
 
     def _chunk_choice(self, job: Job, index: int, cursor: ChoiceCursor, delta, tools: ToolStreamer | None) -> dict | None:
         num_top = job.params.logprobs

@@ -83,6 +83,41 @@ def completion_logprobs(texts: TokenTexts, cursor: ChoiceCursor, delta: ChoiceDe
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": text_offset}
 
 
+def prompt_completion_logprobs(texts: TokenTexts, prompt_ids: list[int], scored: list, num_top: int) -> dict:
+    """The prompt's part of legacy completions logprobs (`echo` with `logprobs`): the first token
+    has no logprob (None), text offsets count from the start of the prompt's token texts."""
+    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+    offset = 0
+    for token_id, entry in zip(prompt_ids, scored):
+        token = texts(token_id)
+        tokens.append(token)
+        token_logprobs.append(None if entry is None else entry.get(token_id, MISSING_LOGPROB))
+        top_logprobs.append(None if entry is None else {texts(t): lp for t, lp in _top(entry, num_top)})
+        text_offset.append(offset)
+        offset += len(token)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": text_offset}
+
+
+def join_completion_logprobs(first: dict, second: dict | None) -> dict:
+    return first if second is None else {key: first[key] + second[key] for key in first}
+
+
+def vllm_prompt_logprobs(texts: TokenTexts, prompt_ids: list[int], scored: list, num_top: int) -> list:
+    """vLLM's `prompt_logprobs` of a choice: per prompt token None (the first) or {token id:
+    {logprob, rank (1-based; None for the prompt's own token when it is not among the top
+    num_top), decoded_token}}."""
+    out = []
+    for token_id, entry in zip(prompt_ids, scored):
+        if entry is None:
+            out.append(None)
+            continue
+        ranked = [t for t, _ in _top(entry, len(entry))]
+        in_top = token_id in ranked[:num_top]
+        out.append({str(t): {"logprob": lp, "rank": ranked.index(t) + 1 if t != token_id or in_top else None,
+                             "decoded_token": texts(t)} for t, lp in entry.items()})
+    return out
+
+
 def chat_logprobs(texts: TokenTexts, delta: ChoiceDelta, num_top: int) -> dict:
     content = []
     for token_id, entry in zip(delta.token_ids, delta.logprobs or [{}] * len(delta.token_ids)):

@@ -21,7 +21,10 @@ def _old_layout_bytes(t: int, s: int, max_blocks_per_seq: int, max_model_len: in
 
 def test_host_to_device_bytes_per_decode_step_at_the_defaults():
     # Defaults: 32 sequences, max_model_len 4096, block_size 16; the 32-token decode bucket.
-    new = 4 * StepLayout(32, 32, 32, max_blocks_per_seq=4096 // 16).size
+    # The default model's vocabulary: a step with a constrained row also sends token_mask
+    # [L, ceil(V / 32)], a separate argument; the flat buffer carries no mask bytes.
+    layout = StepLayout(32, 32, 32, max_blocks_per_seq=4096 // 16, mask_words=-(-49152 // 32))
+    new = 4 * layout.size
     old = _old_layout_bytes(32, 32, 4096 // 16, 4096)
     assert new * 10 <= old, (new, old)
 
@@ -39,8 +42,19 @@ def test_one_transfer_per_step_and_none_sized_by_history(tiny_engine, monkeypatc
     sent.clear()
     for _ in range(4):
         engine.step()
-    layout_bytes = 4 * engine.runner._layout(engine.runner.shapes.bucket_for(1, 1)).size
-    assert sent == [layout_bytes] * 4  # decode steps: only the bucket's flat buffer
+    layout = engine.runner._layout(engine.runner.shapes.bucket_for(1, 1))
+    assert sent == [4 * layout.size] * 4  # decode steps: only the bucket's flat buffer
+    run_to_completion(engine, [])
+    # A constrained request's steps also send the token mask, [L, ceil(V / 32)] int32.
+    from engine.structured_output import StructuredOutputsParams
+
+    so = SamplingParams(temperature=0.7, seed=1, max_tokens=3,
+                        structured_outputs=StructuredOutputsParams(regex="[ab]{3}"))
+    engine.add_request("masked", list(range(2, 42)), so)
+    engine.step()
+    sent.clear()
+    engine.step()
+    assert sent == [4 * layout.size, layout.mask.nbytes]
     run_to_completion(engine, [])
 
 

@@ -201,3 +201,32 @@ def test_300_requests_with_aborts_stops_and_preemptions_compile_nothing_and_leak
         _check_invariants(sched)
         assert sched.stats.num_used_blocks == 0 and len(engine.runner.table) == 0
     assert engine.get_stats().num_compilations == before
+
+
+def test_constrained_requests_beside_speculating_ones_get_no_drafts(tiny_spec_engine, prompts):
+    """Structured output and speculation in one batch: the constrained rows run without drafts
+    (their mask is filled for one position per step) and stay valid; the others still draft and
+    keep their non-speculative tokens."""
+    import json
+
+    import jsonschema
+
+    from engine.structured_output import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"k": {"enum": ["a", "b"]}}, "required": ["k"],
+              "additionalProperties": False}
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    constrained = SamplingParams(temperature=1.0, max_tokens=24, seed=5,
+                                 structured_outputs=StructuredOutputsParams(json=schema))
+    with spec_off(tiny_spec_engine):
+        base = run_to_completion(tiny_spec_engine, [(f"cb{i}", p, greedy) for i, p in enumerate(prompts)])
+    before = tiny_spec_engine.get_stats().spec_decode.num_draft_tokens
+    mixed = [(f"cg{i}", p, greedy) for i, p in enumerate(prompts)]
+    mixed += [(f"cj{i}", p, constrained) for i, p in enumerate(prompts)]
+    done = run_to_completion(tiny_spec_engine, mixed)
+    assert tiny_spec_engine.get_stats().spec_decode.num_draft_tokens > before  # others drafted
+    for i in range(len(prompts)):
+        assert done[f"cg{i}"].outputs[0].token_ids == base[f"cb{i}"].outputs[0].token_ids
+        out = done[f"cj{i}"].outputs[0]
+        assert out.finish_reason == "stop", out
+        jsonschema.validate(json.loads(out.text), schema)

@@ -110,3 +110,33 @@ def test_concurrent_streams_then_disconnects_free_everything(server):
         lambda: (m := _metrics(server))["jaxserve:num_requests_running"] == 0
         and m["jaxserve:kv_cache_usage_perc"] == idle, timeout=2.0)
     assert settled and time.monotonic() - left < 2.0, _metrics(server)
+
+
+def test_echo_with_logprobs_scores_the_prompt_whole_and_streamed(client, server):
+    """`echo` with `logprobs`: the prompt's tokens lead the logprobs (the first with None), as
+    OpenAI's legacy completions return them; vLLM's prompt_logprobs field lists them per token."""
+    prompt = "The capital of France is"
+    kwargs = dict(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, echo=True, logprobs=2)
+    whole = client.completions.create(**kwargs).choices[0]
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, logprobs=2).choices[0]
+    assert whole.text == prompt + plain.text
+    lp = whole.logprobs
+    generated = len(plain.logprobs.tokens)
+    num_prompt = len(lp.tokens) - generated
+    assert num_prompt >= 4 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:num_prompt])
+    assert all(len(t) >= 2 for t in lp.top_logprobs[1:num_prompt])
+    assert lp.tokens[num_prompt:] == plain.logprobs.tokens
+    assert lp.token_logprobs[num_prompt:] == pytest.approx(plain.logprobs.token_logprobs, abs=1e-4)
+    chunks = list(client.completions.create(stream=True, **kwargs))
+    first = chunks[0].choices[0]
+    assert first.text == prompt and first.logprobs.tokens == lp.tokens[:num_prompt]
+    assert first.logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:num_prompt], abs=1e-4)
+    assert "".join(c.choices[0].text for c in chunks) == whole.text
+    status, _, text = http("POST", server.url + "/v1/completions",
+                           {"prompt": prompt, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 1})
+    listed = json.loads(text)["choices"][0]["prompt_logprobs"]
+    assert status == 200 and listed[0] is None and len(listed) == num_prompt
+    for entry, token_lp in zip(listed[1:], lp.token_logprobs[1:num_prompt]):
+        assert any(abs(v["logprob"] - token_lp) < 1e-4 for v in entry.values())
+        assert all(v["rank"] is None or v["rank"] >= 1 for v in entry.values())
