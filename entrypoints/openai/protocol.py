@@ -9,8 +9,9 @@ Strings must be valid Unicode (a lone surrogate such as "\\ud800" is refused: it
 encoded, tokenized or sent back). Server limits (`RequestLimits`: most prompts, most n) come from
 the server's config. Constraint fields (response_format, structured_outputs, logit_bias,
 allowed_token_ids, bad_words) are read in constraints.py, tools and tool_choice in tools.py.
-Features this engine does not have (suffix, legacy functions, best_of > n, prompt logprobs for
-echo) are rejected by name rather than silently ignored. Response bodies are built in
+Features this engine does not have (suffix, legacy functions, best_of > n) are rejected by name
+rather than silently ignored. `echo` with `logprobs`, and vLLM's `prompt_logprobs`, score the
+prompt (SamplingParams.prompt_logprobs). Response bodies are built in
 `entrypoints/openai/responses.py`.
 """
 
