@@ -25,6 +25,7 @@ import os
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
@@ -67,6 +68,8 @@ class ModelRunner:
         if placement is None:
             # Served layout (models/llama.py): q/k/v and gate/up fused into one product each;
             # stacked 16-bit layers as their bits.
+            # (Host arrays, a LoadedModel shared with sharded engines, move to the device here.)
+            params = jax.tree.map(jnp.asarray, params)
             self.params = pack_layer_bits(fuse_projections(stack_layers(params) if scan_layers else params))
             self.kv_cache = allocate_kv_cache(model_config, shapes.num_blocks, shapes.block_size, dtype,
                                               bits=bits)

@@ -85,3 +85,16 @@ def _forward_single(params, kv_cache, inputs, *, config, attention_backend, inte
 def _forward_tp(params, kv_cache, inputs, *, layout, mesh, attention_backend, interpret):
     return forward_paged_sharded(params, layout, kv_cache, inputs, mesh=mesh,
                                  attention_backend=attention_backend, interpret=interpret)
+
+
+def device_bytes(runner, placement: Placement | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(weight bytes, KV-cache bytes) per device of the runner's group (a runner without device
+    arrays, a fake one in tests: empty tuples)."""
+    params, cache = getattr(runner, "params", None), getattr(runner, "kv_cache", None)
+    if params is None or cache is None:
+        return (), ()
+    if placement is None:
+        held_w, held_kv = bytes_per_device(params), bytes_per_device(cache)
+        devices = sorted(set(held_w) | set(held_kv), key=lambda d: d.id)
+        return tuple(held_w.get(d, 0) for d in devices), tuple(held_kv.get(d, 0) for d in devices)
+    return tuple(placement.bytes_per_device(params)), tuple(placement.bytes_per_device(cache))
