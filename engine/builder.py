@@ -57,6 +57,13 @@ def scheduler_config_for(config: EngineConfig, *, max_model_len: int, num_blocks
                             else max(1, int(config.max_request_share * config.max_num_seqs))))
 
 
+def load_for_mesh(config: EngineConfig, *, progress: bool = True):
+    """The model in host memory, for engines that place their own shards (one load, N replicas)."""
+    dtype = resolve_dtype(config, jax.devices()[0].platform)
+    return load_model(config.model, dtype=dtype, seed=config.seed, tokenizer=config.tokenizer,
+                      progress=progress, cache_dir=config.weights_cache_dir, host=True)
+
+
 def build_parts(config: EngineConfig, *, progress: bool = True, mesh=None, loaded=None) -> EngineParts:
     """The parts of one engine (one replica). `mesh`: its device group (engine/mesh.py), None:
     a (1, tensor_parallel_size) mesh when that is > 1, else the default device. `loaded`: a

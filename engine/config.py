@@ -49,6 +49,9 @@ class EngineConfig:
     precompile: bool = True  # compile every bucket at start-up
     tensor_parallel_size: int = 1  # devices one model is split over (the mesh's "model" axis)
     data_parallel_size: int = 1  # replicas, each on its own tensor_parallel_size devices ("data")
+    coordinator_address: str | None = None  # multi-host (jax.distributed): HOST:PORT of process 0's coordinator
+    num_processes: int = 1  # multi-host: processes in the mesh (one per host)
+    process_id: int = 0  # multi-host: this process (0 schedules and serves; the others follow)
     speculative_config: SpeculativeConfig | dict | None = None  # speculative decoding, vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 3} (keys: engine/spec_decode/config.py; a JSON object as a flag); None: off
 
     def __post_init__(self) -> None:
@@ -79,6 +82,13 @@ class EngineConfig:
         _positive("max_logprobs", self.max_logprobs)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         _positive("data_parallel_size", self.data_parallel_size)
+        _positive("num_processes", self.num_processes)
+        if isinstance(self.process_id, bool) or not isinstance(self.process_id, int) or not (
+                0 <= self.process_id < self.num_processes):
+            raise ValueError(f"EngineConfig.process_id must be in [0, num_processes={self.num_processes}), "
+                             f"got {self.process_id!r}")
+        if self.num_processes > 1 and not self.coordinator_address:
+            raise ValueError("EngineConfig.coordinator_address (HOST:PORT) is needed with num_processes > 1")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"EngineConfig.seed must be an integer, got {self.seed!r}")
         if self.scan_layers is not None and not isinstance(self.scan_layers, bool):

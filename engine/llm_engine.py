@@ -76,12 +76,17 @@ class EngineStats:
     num_mask_steps: int = 0  # steps that filled at least one token mask
     weight_bytes_per_device: tuple[int, ...] = ()  # the weights' shards on each device of the group
     kv_cache_bytes_per_device: tuple[int, ...] = ()  # the KV cache's shards on each device
+    replicas: tuple = ()  # data parallelism (engine/dp_engine.py): each replica's own EngineStats
+    router: object = None  # data parallelism: engine/router.RouterStats
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, *, progress: bool = True, mesh=None, loaded=None):
         """`mesh`: this engine's device group (engine/mesh.py; None: from tensor_parallel_size);
         `loaded`: a models.loader.LoadedModel to use instead of loading config.model."""
+        if config.data_parallel_size > 1 and mesh is None:
+            raise ValueError(f"EngineConfig.data_parallel_size={config.data_parallel_size}: one LLMEngine "
+                             "is one replica; build engine.dp_engine.DPEngine (or make_engine) instead")
         self._setup(build_parts(config, progress=progress, mesh=mesh, loaded=loaded))
 
     @classmethod

@@ -159,9 +159,10 @@ class RequestTable:
         self.capacity = capacity
         self.vocab_size = vocab_size
         # sharding: the replica's replicated NamedSharding (on a mesh), None: the default device.
-        self.state = allocate_table_state(capacity, vocab_size)
-        if sharding is not None:
-            self.state = jax.device_put(self.state, sharding)
+        if sharding is None:
+            self.state = allocate_table_state(capacity, vocab_size)
+        else:  # made in place on the mesh (under jax.distributed too: no cross-process copy)
+            self.state = jax.jit(lambda: allocate_table_state(capacity, vocab_size), out_shardings=sharding)()
         self.slot_of: dict[str, int] = {}
         self._free = list(range(capacity - 1, -1, -1))  # pop() hands out the lowest slot
         self.values_np = {name: np.full(capacity, neutral, dtype) for name, dtype, neutral in SAMPLING_FIELDS}
