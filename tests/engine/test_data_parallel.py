@@ -70,7 +70,7 @@ def test_64_requests_balanced_with_prefix_affinity(dp_engine):
     assert stats.prefix_cache_hits == sum(r.prefix_cache_hits for r in stats.replicas)
     text = ServerMetrics().render(stats)
     assert 'jaxserve:prefix_cache_hits_total{replica="1"}' in text
-    assert 'jaxserve:weight_bytes{replica="1",device="1"}' in text
+    assert 'jaxserve:weight_bytes{device="1",replica="1"}' in text
 
 
 def test_dp2_tp2_greedy_equals_tp1(dp_engine, loaded):
