@@ -3,7 +3,12 @@ step's collectives (the Megatron pattern, read from the HLO), the bytes each dev
 TP = 4 tokens equal to TP = 1, on random:tiny-gqa3 (the default model's 9 q / 3 KV heads at tiny
 size; MLP width 90 and vocabulary 254, which 4 does not divide either)."""
 
+import json
+import os
 import re
+import socket
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -132,3 +137,40 @@ def test_tp4_tokens_and_logprobs_equal_tp1(engines):
         assert a.token_ids == b.token_ids
         lp1, lp4 = a.logprobs[0][a.token_ids[0]], b.logprobs[0][b.token_ids[0]]
         assert abs(lp1 - lp4) < 1e-4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_tp4_equal_one_process_then_a_dead_follower_fails_clearly(engines):
+    """Multi-host on one machine: two OS processes, jax.distributed on loopback, 2 virtual CPU
+    devices each, TP = 4 across both (tests/engine/multihost_worker.py). The leader's greedy
+    tokens equal TP = 1 in this process; then the follower dies mid-run and the leader's
+    requests fail with MultiHostError, its engine dead, within seconds (no hang)."""
+    reference = run_to_completion(engines[1], [(f"m{i}", p, GREEDY) for i, p in enumerate(PROMPTS)])
+    port = str(_free_port())
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    worker = os.path.join(os.path.dirname(__file__), "multihost_worker.py")
+    procs = [subprocess.Popen([sys.executable, worker, str(p), port], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for p in (0, 1)]
+    try:
+        logs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    lines = {x.split(" ", 1)[0]: json.loads(x.split(" ", 1)[1]) for x in logs[0].splitlines()
+             if x.startswith(("RESULT ", "DIED "))}
+    assert set(lines) == {"RESULT", "DIED"}, logs[0][-3000:]
+    result, died = lines["RESULT"], lines["DIED"]
+    assert not result["errors"]
+    assert result["tokens"] == [reference[f"m{i}"].outputs[0].token_ids for i in range(len(PROMPTS))]
+    for i, lp in enumerate(result["logprobs"]):
+        out = reference[f"m{i}"].outputs[0]
+        assert abs(lp - out.logprobs[0][out.token_ids[0]]) < 1e-4
+    assert [p.returncode for p in procs] == [3, 17]
+    assert died["errors"] and all("MultiHostError" in e and "multi-host step" in e for e in died["errors"])
+    assert died["dead"] is not None and died["seconds"] < 60
