@@ -11,15 +11,15 @@ from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from tests.engine.conftest import run_to_completion
 
-NEW_TOKENS = 10
+NEW_TOKENS = 8
 SYSTEM = ("You are a careful assistant. Answer in plain words, keep it short, and do not repeat "
           "the question. Prefer facts to opinions, and say when you do not know.")
 QUESTIONS = ["Why is the sky blue?", "Name three prime numbers.", "What is 12 times 7?",
              "Write a haiku about autumn leaves.", "Hi", "Explain what a hash map is, briefly.",
              ]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2)
-KNOBS = dict(model="default", max_num_seqs=8, max_num_batched_tokens=32, max_model_len=144,
-             num_kv_blocks=10, token_buckets=(16, 32), seq_buckets=(8,), compilation_cache_dir=None)
+KNOBS = dict(model="default", max_num_seqs=8, max_num_batched_tokens=32, max_model_len=112,
+             num_kv_blocks=8, token_buckets=(32,), seq_buckets=(8,), compilation_cache_dir=None)
 
 
 @pytest.fixture(scope="module")
