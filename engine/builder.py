@@ -34,6 +34,16 @@ class EngineParts:
     load_seconds: float = 0.0
     compile_seconds: float = 0.0
     proposer: object = None  # speculative decoding's proposer when it needs parts (a draft model)
+    placement: object = None  # engine/placement.Placement on a mesh; None: one device
+
+
+def default_placement(config: EngineConfig):
+    """A (1, tp) mesh over the first tp devices when tensor_parallel_size > 1; None otherwise."""
+    if config.tensor_parallel_size == 1:
+        return None
+    from engine.mesh import replica_meshes
+
+    return replica_meshes(config.tensor_parallel_size, 1)[0]
 
 
 def scheduler_config_for(config: EngineConfig, *, max_model_len: int, num_blocks: int) -> SchedulerConfig:
@@ -47,8 +57,19 @@ def scheduler_config_for(config: EngineConfig, *, max_model_len: int, num_blocks
                             else max(1, int(config.max_request_share * config.max_num_seqs))))
 
 
-def build_parts(config: EngineConfig, *, progress: bool = True) -> EngineParts:
+def load_for_mesh(config: EngineConfig, *, progress: bool = True):
+    """The model in host memory, for engines that place their own shards (one load, N replicas)."""
+    dtype = resolve_dtype(config, jax.devices()[0].platform)
+    return load_model(config.model, dtype=dtype, seed=config.seed, tokenizer=config.tokenizer,
+                      progress=progress, cache_dir=config.weights_cache_dir, host=True)
+
+
+def build_parts(config: EngineConfig, *, progress: bool = True, mesh=None, loaded=None) -> EngineParts:
+    """The parts of one engine (one replica). `mesh`: its device group (engine/mesh.py), None:
+    a (1, tensor_parallel_size) mesh when that is > 1, else the default device. `loaded`: a
+    LoadedModel already in host memory (data parallelism loads once for all replicas)."""
     enable_compilation_cache(config.compilation_cache_dir)
+    mesh = mesh if mesh is not None else default_placement(config)
     platform = jax.devices()[0].platform
     dtype = resolve_dtype(config, platform)
     backend = resolve_backend(config.attention_backend, platform)
@@ -58,8 +79,17 @@ def build_parts(config: EngineConfig, *, progress: bool = True) -> EngineParts:
             "compile for the CPU; pass interpret=True to run them in Pallas interpret mode "
             "(slow, for tests), or use attention_backend='xla' (the CPU path)")
     start = time.perf_counter()
-    loaded = load_model(config.model, dtype=dtype, seed=config.seed, tokenizer=config.tokenizer,
-                        progress=progress, cache_dir=config.weights_cache_dir)
+    if loaded is None:
+        loaded = load_model(config.model, dtype=dtype, seed=config.seed, tokenizer=config.tokenizer,
+                            progress=progress, cache_dir=config.weights_cache_dir, host=mesh is not None)
+    placement, params, kv_config = None, loaded.params, loaded.config
+    scan_layers = resolve_scan_layers(config, platform)
+    if mesh is not None:
+        from engine.placement import Placement
+
+        placement = Placement.for_mesh(mesh, loaded.config)
+        params = placement.place(loaded.params, loaded.config, dtype=dtype, scan_layers=scan_layers)
+        kv_config = placement.layout.local  # per device: its KV heads, after its weight shards
     load_seconds = time.perf_counter() - start
     limit = loaded.config.max_position_embeddings
     max_model_len = config.max_model_len or min(limit, 4096)
@@ -69,7 +99,7 @@ def build_parts(config: EngineConfig, *, progress: bool = True) -> EngineParts:
     bs = config.block_size
     max_blocks_per_seq = -(-max_model_len // bs)
     num_blocks = num_blocks_for(
-        loaded.config, block_size=bs, dtype=dtype, num_kv_blocks=config.num_kv_blocks,
+        kv_config, device=placement.devices[0] if placement else None, block_size=bs, dtype=dtype, num_kv_blocks=config.num_kv_blocks,
         kv_cache_bytes=config.kv_cache_bytes, memory_fraction=config.kv_cache_memory_fraction,
         max_useful_blocks=config.max_num_seqs * max_blocks_per_seq + 1)
     if (num_blocks - 1) * bs < max_model_len:
@@ -87,12 +117,15 @@ def build_parts(config: EngineConfig, *, progress: bool = True) -> EngineParts:
         logits_per_seq=1 + (config.speculative_config.num_speculative_tokens
                             if config.speculative_config is not None else 0))
     start = time.perf_counter()
-    runner = ModelRunner(loaded.config, loaded.params, shapes, dtype=dtype, attention_backend=backend,
-                         interpret=config.interpret, scan_layers=resolve_scan_layers(config, platform),
-                         precompile=config.precompile, progress=progress)
+    runner = ModelRunner(loaded.config, params, shapes, dtype=dtype, attention_backend=backend,
+                         interpret=config.interpret, scan_layers=scan_layers,
+                         precompile=config.precompile, progress=progress, placement=placement)
     proposer = None
     spec = config.speculative_config
     if spec is not None and spec.method == "draft_model":
+        if placement is not None:
+            raise ValueError("speculative_config method 'draft_model' runs on one device: use "
+                             "tensor_parallel_size=1 and data_parallel_size=1 with it (ngram works on a mesh)")
         proposer = build_draft_proposer(config, shapes, loaded, dtype=dtype, backend=backend,
                                         platform=platform, max_model_len=max_model_len,
                                         progress=progress)
@@ -100,7 +133,8 @@ def build_parts(config: EngineConfig, *, progress: bool = True) -> EngineParts:
         config=config, scheduler=scheduler, runner=runner, tokenizer=loaded.tokenizer,
         max_model_len=max_model_len, model_name=_model_name(config.model, loaded.config.name),
         model_config=loaded.config, dtype=dtype, attention_backend=backend,
-        load_seconds=load_seconds, compile_seconds=time.perf_counter() - start, proposer=proposer)
+        load_seconds=load_seconds, compile_seconds=time.perf_counter() - start, proposer=proposer,
+        placement=placement)
 
 
 def build_draft_proposer(config: EngineConfig, shapes: RunnerShapes, target, *, dtype: str,

@@ -32,7 +32,7 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # explicit KV cache size; overrides the two below
     kv_cache_memory_fraction: float = 0.85  # of free device memory (accelerators)
-    kv_cache_bytes: int = 512 * 1024 * 1024  # byte budget on the CPU
+    kv_cache_bytes: int = 512 * 1024 * 1024  # byte budget on the CPU (per device on a mesh)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # fcfs | priority | static (baseline)
@@ -47,6 +47,11 @@ class EngineConfig:
     weights_cache_dir: str | None = None  # keep GGUF conversions here (orbax) for fast restarts
     max_logprobs: int = 20  # most top logprobs a request may ask for
     precompile: bool = True  # compile every bucket at start-up
+    tensor_parallel_size: int = 1  # devices one model is split over (the mesh's "model" axis)
+    data_parallel_size: int = 1  # replicas, each on its own tensor_parallel_size devices ("data")
+    coordinator_address: str | None = None  # multi-host (jax.distributed): HOST:PORT of process 0's coordinator
+    num_processes: int = 1  # multi-host: processes in the mesh (one per host)
+    process_id: int = 0  # multi-host: this process (0 schedules and serves; the others follow)
     speculative_config: SpeculativeConfig | dict | None = None  # speculative decoding, vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 3} (keys: engine/spec_decode/config.py; a JSON object as a flag); None: off
 
     def __post_init__(self) -> None:
@@ -75,6 +80,15 @@ class EngineConfig:
         if isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share <= 1:
             raise ValueError(f"EngineConfig.max_request_share must be in (0, 1], got {share!r}")
         _positive("max_logprobs", self.max_logprobs)
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        _positive("data_parallel_size", self.data_parallel_size)
+        _positive("num_processes", self.num_processes)
+        if isinstance(self.process_id, bool) or not isinstance(self.process_id, int) or not (
+                0 <= self.process_id < self.num_processes):
+            raise ValueError(f"EngineConfig.process_id must be in [0, num_processes={self.num_processes}), "
+                             f"got {self.process_id!r}")
+        if self.num_processes > 1 and not self.coordinator_address:
+            raise ValueError("EngineConfig.coordinator_address (HOST:PORT) is needed with num_processes > 1")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"EngineConfig.seed must be an integer, got {self.seed!r}")
         if self.scan_layers is not None and not isinstance(self.scan_layers, bool):

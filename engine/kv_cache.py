@@ -49,9 +49,15 @@ def num_blocks_for(
 
 
 def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: str, *,
-                      bits: bool = False) -> tuple:
-    """Zeroed (k_cache, v_cache); bits=True stores a 16-bit dtype as uint16 (same bytes)."""
+                      bits: bool = False, sharding=None) -> tuple:
+    """Zeroed (k_cache, v_cache); bits=True stores a 16-bit dtype as uint16 (same bytes).
+    `sharding` (a NamedSharding splitting the KV-head axis, models/sharding.py): each device
+    allocates only its own shard."""
     shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
     if bits and jnp.dtype(dtype).itemsize == 2:
         dtype = jnp.uint16
-    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+    if sharding is None:
+        return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+    zeros = jax.jit(lambda: (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)),
+                    out_shardings=(sharding, sharding))
+    return zeros()

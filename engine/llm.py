@@ -13,14 +13,15 @@ from collections.abc import Sequence
 from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.dp_engine import make_engine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 
 class LLM:
     def __init__(self, model: str = "default", *, progress: bool = True, **knobs):
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **knobs), progress=progress)
+        # An LLMEngine, or a DPEngine (same interface) when data_parallel_size > 1.
+        self.engine = make_engine(EngineConfig.from_kwargs(model=model, **knobs), progress=progress)
         self._ids = itertools.count()
 
     @property

@@ -34,6 +34,7 @@ from engine.config import EngineConfig
 from engine.logit_controls import build_logit_controls
 from engine.model_runner import num_backend_compilations
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.placement import device_bytes
 from engine.request_state import RequestState, SequenceState
 from engine.request_table import RowParams
 from engine.sampling_params import ParamError, SamplingParams
@@ -73,11 +74,20 @@ class EngineStats:
     grammar_compile_seconds: float = 0.0  # total time building grammars (on the callers' threads)
     mask_fill_seconds: float = 0.0  # host time filling token masks in the step loop
     num_mask_steps: int = 0  # steps that filled at least one token mask
+    weight_bytes_per_device: tuple[int, ...] = ()  # the weights' shards on each device of the group
+    kv_cache_bytes_per_device: tuple[int, ...] = ()  # the KV cache's shards on each device
+    replicas: tuple = ()  # data parallelism (engine/dp_engine.py): each replica's own EngineStats
+    router: object = None  # data parallelism: engine/router.RouterStats
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, *, progress: bool = True):
-        self._setup(build_parts(config, progress=progress))
+    def __init__(self, config: EngineConfig, *, progress: bool = True, mesh=None, loaded=None):
+        """`mesh`: this engine's device group (engine/mesh.py; None: from tensor_parallel_size);
+        `loaded`: a models.loader.LoadedModel to use instead of loading config.model."""
+        if config.data_parallel_size > 1 and mesh is None:
+            raise ValueError(f"EngineConfig.data_parallel_size={config.data_parallel_size}: one LLMEngine "
+                             "is one replica; build engine.dp_engine.DPEngine (or make_engine) instead")
+        self._setup(build_parts(config, progress=progress, mesh=mesh, loaded=loaded))
 
     @classmethod
     def from_parts(cls, config: EngineConfig, *, scheduler: Scheduler, runner, tokenizer,
@@ -103,6 +113,8 @@ class LLMEngine:
         self.attention_backend = parts.attention_backend
         self.load_seconds = parts.load_seconds
         self.compile_seconds = parts.compile_seconds
+        self.placement = parts.placement
+        self._device_bytes = device_bytes(parts.runner, parts.placement)
         self.dead_reason: str | None = None
         self._num_blocks = parts.scheduler.config.num_blocks  # the cache the runner allocated
         self._requests: dict[str, RequestState] = {}
@@ -386,7 +398,8 @@ class LLMEngine:
             num_grammars_compiled=compiler.stats.num_compiled if compiler else 0,
             grammar_compile_seconds=compiler.stats.compile_seconds if compiler else 0.0,
             mask_fill_seconds=getattr(builder, "mask_seconds", 0.0),
-            num_mask_steps=getattr(builder, "num_mask_steps", 0))
+            num_mask_steps=getattr(builder, "num_mask_steps", 0),
+            weight_bytes_per_device=self._device_bytes[0], kv_cache_bytes_per_device=self._device_bytes[1])
 
 
 __all__ = ["CompletionOutput", "EngineDeadError", "EngineStats", "LLMEngine"]

@@ -76,11 +76,20 @@ class _EngineCollector:
         stats, num_pending = self.metrics.scrape_stats, self.metrics.scrape_pending
         if stats is None:
             return
+        replicas = getattr(stats, "replicas", ())
         for field, name, kind, help_text in _ENGINE_METRICS:
             value = getattr(stats, field, None)
-            if value is not None:
-                family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+            if value is None:
+                continue
+            family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+            if replicas:  # data parallelism: one series per replica (engine/dp_engine.py)
+                labelled = family(PREFIX + name, help_text, labels=["replica"])
+                for i, replica in enumerate(replicas):
+                    labelled.add_metric([str(i)], getattr(replica, field))
+                yield labelled
+            else:
                 yield family(PREFIX + name, help_text, value=value)
+        yield from _device_families(stats)
         yield GaugeMetricFamily(PREFIX + "num_requests_waiting", "Requests waiting to be scheduled (including "
                                 "those not yet handed to the engine).", value=stats.num_waiting + num_pending)
         queries = stats.prefix_cache_queries
@@ -89,6 +98,30 @@ class _EngineCollector:
         spec = getattr(stats, "spec_decode", None)
         if spec is not None:
             yield from _spec_decode_families(spec)
+
+
+def _device_families(stats):
+    """Weight and KV-cache bytes per device (labelled by device index within the engine's group,
+    and by replica under data parallelism), and the router's counts."""
+    replicas = getattr(stats, "replicas", ()) or (stats,)
+    for field, name, help_text in (
+            ("weight_bytes_per_device", "weight_bytes", "Bytes of weight shards held by each device."),
+            ("kv_cache_bytes_per_device", "kv_cache_bytes", "Bytes of KV-cache shards held by each device.")):
+        family = GaugeMetricFamily(PREFIX + name, help_text, labels=["replica", "device"])
+        for r, replica in enumerate(replicas):
+            for d, value in enumerate(getattr(replica, field, ()) or ()):
+                family.add_metric([str(r), str(d)], value)
+        if family.samples:
+            yield family
+    router = getattr(stats, "router", None)
+    if router is not None:
+        family = CounterMetricFamily(PREFIX + "router_requests", "Requests routed to each replica.",
+                                     labels=["replica"])
+        for r, n in enumerate(router.num_routed):
+            family.add_metric([str(r)], n)
+        yield family
+        yield CounterMetricFamily(PREFIX + "router_affinity_hits", "Requests routed to the replica "
+                                  "holding their prefix (at least one full block).", value=router.num_affinity_hits)
 
 
 # Speculative decoding (engine/spec_decode/controller.py SpecDecodeStats), vLLM's names.

@@ -25,11 +25,13 @@ import os
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
 from engine.buckets import Bucket, RunnerShapes
 from engine.kv_cache import allocate_kv_cache
+from engine.placement import Placement
 from engine.request_table import RequestTable
 from engine.sampler import sample
 from engine.step_inputs import BatchBuilder, StepLayout
@@ -56,21 +58,35 @@ def num_backend_compilations() -> int:
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, params, shapes: RunnerShapes, *, dtype: str,
                  attention_backend: str, interpret: bool = False, scan_layers: bool = False,
-                 precompile: bool = True, progress: bool = True):
+                 precompile: bool = True, progress: bool = True, placement: Placement | None = None):
         self.model_config = model_config
-        # Served layout (models/llama.py): q/k/v and gate/up fused into one product each; stacked
-        # 16-bit layers as their bits.
-        self.params = pack_layer_bits(fuse_projections(stack_layers(params) if scan_layers else params))
         self.scan_layers = scan_layers
         self.shapes = shapes
         self.dtype = dtype
-        self.kv_cache = allocate_kv_cache(model_config, shapes.num_blocks, shapes.block_size, dtype,
-                                          bits=attention_backend == "xla")
-        self.table = RequestTable(shapes.max_num_seqs, shapes.sample_vocab_size)
+        self.placement = placement
+        bits = attention_backend == "xla"
+        if placement is None:
+            # Served layout (models/llama.py): q/k/v and gate/up fused into one product each;
+            # stacked 16-bit layers as their bits.
+            # (Host arrays, a LoadedModel shared with sharded engines, move to the device here.)
+            params = jax.tree.map(jnp.asarray, params)
+            self.params = pack_layer_bits(fuse_projections(stack_layers(params) if scan_layers else params))
+            self.kv_cache = allocate_kv_cache(model_config, shapes.num_blocks, shapes.block_size, dtype,
+                                              bits=bits)
+            forward = functools.partial(_forward_plain, config=model_config,
+                                        attention_backend=attention_backend, interpret=interpret)
+        else:
+            # On a mesh (engine/placement.py): params already padded, fused per shard and placed
+            # shard by shard; the cache split on KV heads; inputs and the table replicated.
+            self.params = params
+            self.kv_cache = allocate_kv_cache(placement.layout.padded, shapes.num_blocks, shapes.block_size,
+                                              dtype, bits=bits, sharding=placement.kv_sharding)
+            forward = placement.forward(attention_backend=attention_backend, interpret=interpret)
+        self.table = RequestTable(shapes.max_num_seqs, shapes.sample_vocab_size,
+                                  sharding=None if placement is None else placement.replicated)
         self.builder = BatchBuilder(max_blocks_per_seq=shapes.max_blocks_per_seq,
                                     block_size=shapes.block_size, vocab_size=shapes.sample_vocab_size)
-        self._step = functools.partial(_step, config=model_config, attention_backend=attention_backend,
-                                       interpret=interpret, num_logprobs=shapes.num_logprobs,
+        self._step = functools.partial(_step, forward=forward, num_logprobs=shapes.num_logprobs,
                                        sample_vocab_size=shapes.sample_vocab_size,
                                        num_speculative_tokens=shapes.logits_per_seq - 1)
         self._compiled: dict[Bucket, object] = {}
@@ -82,6 +98,10 @@ class ModelRunner:
         self.profile = None
         if precompile:
             self.compile_all(progress=progress)
+
+    @property
+    def _input_sharding(self):
+        return None if self.placement is None else self.placement.replicated
 
     @property
     def sample_vocab_size(self) -> int:
@@ -123,17 +143,18 @@ class ModelRunner:
     def _lower(self, bucket: Bucket):
         layout = self._layout(bucket)
         step = jax.jit(functools.partial(self._step, layout=layout), donate_argnums=(1, 2))
-        flat = jax.ShapeDtypeStruct((layout.size,), np.int32)
-        mask = jax.ShapeDtypeStruct(layout.mask.shape, np.int32)
+        flat = jax.ShapeDtypeStruct((layout.size,), np.int32, sharding=self._input_sharding)
+        mask = jax.ShapeDtypeStruct(layout.mask.shape, np.int32, sharding=self._input_sharding)
         return step.lower(self.params, self.kv_cache, self.table.state, flat, mask)
 
     def _token_mask(self, bucket: Bucket, built) -> jax.Array:
         """The step's token_mask argument: sent when a row is constrained; otherwise a resident
         zero buffer per bucket (allocated once), so unconstrained steps move no mask bytes."""
         if built.mask is not None:
-            return jax.device_put(built.mask)
+            return jax.device_put(built.mask, self._input_sharding)
         if bucket not in self._idle_masks:
-            self._idle_masks[bucket] = jax.device_put(np.zeros_like(self._layout(bucket).mask))
+            self._idle_masks[bucket] = jax.device_put(np.zeros_like(self._layout(bucket).mask),
+                                                      self._input_sharding)
         return self._idle_masks[bucket]
 
     def execute(self, out: SchedulerOutput) -> StepResult:
@@ -148,7 +169,7 @@ class ModelRunner:
         executable = self._executable(bucket)
         if prof is not None:
             t1 = time.perf_counter()
-            flat = jax.device_put(built.buffer).block_until_ready()
+            flat = jax.device_put(built.buffer, self._input_sharding).block_until_ready()
             mask = self._token_mask(bucket, built).block_until_ready()
             t2 = time.perf_counter()
             self.kv_cache, self.table.state, packed = executable(
@@ -157,8 +178,8 @@ class ModelRunner:
             t3 = time.perf_counter()
         else:
             self.kv_cache, self.table.state, packed = executable(
-                self.params, self.kv_cache, self.table.state, jax.device_put(built.buffer),
-                self._token_mask(bucket, built))
+                self.params, self.kv_cache, self.table.state,
+                jax.device_put(built.buffer, self._input_sharding), self._token_mask(bucket, built))
         host = np.asarray(jax.device_get(packed))
         if prof is not None:
             t4 = time.perf_counter()
@@ -220,12 +241,16 @@ class ModelRunner:
         return StepResult(req_ids, tokens, logprobs if any_logprobs else None, rejected, prompt_logprobs)
 
 
-def _step(params, kv_cache, table, flat, token_mask, *, layout: StepLayout, config, attention_backend,
-          interpret, num_logprobs, sample_vocab_size, num_speculative_tokens):
+def _forward_plain(params, kv_cache, inputs, *, config, attention_backend, interpret):
+    return forward_paged(params, config, kv_cache, inputs, attention_backend=attention_backend,
+                         interpret=interpret)
+
+
+def _step(params, kv_cache, table, flat, token_mask, *, layout: StepLayout, forward, num_logprobs,
+          sample_vocab_size, num_speculative_tokens):
     inputs = layout.unpack(flat, token_mask)
     table = table.with_joins(inputs.join_slots, inputs.join_values())
-    kv_cache, logits = forward_paged(params, config, kv_cache, inputs,
-                                     attention_backend=attention_backend, interpret=interpret)
+    kv_cache, logits = forward(params, kv_cache, inputs)
     # A checkpoint may pad its vocabulary past the tokenizer's: those ids are never sampled.
     table, packed = sample(logits[:, :sample_vocab_size], inputs, table, num_logprobs=num_logprobs,
                            num_speculative_tokens=num_speculative_tokens)

@@ -155,10 +155,14 @@ def _fill_history(state: TableState, slot, tokens, kinds, reset) -> TableState:
 
 
 class RequestTable:
-    def __init__(self, capacity: int, vocab_size: int):
+    def __init__(self, capacity: int, vocab_size: int, *, sharding=None):
         self.capacity = capacity
         self.vocab_size = vocab_size
-        self.state = allocate_table_state(capacity, vocab_size)
+        # sharding: the replica's replicated NamedSharding (on a mesh), None: the default device.
+        if sharding is None:
+            self.state = allocate_table_state(capacity, vocab_size)
+        else:  # made in place on the mesh (under jax.distributed too: no cross-process copy)
+            self.state = jax.jit(lambda: allocate_table_state(capacity, vocab_size), out_shardings=sharding)()
         self.slot_of: dict[str, int] = {}
         self._free = list(range(capacity - 1, -1, -1))  # pop() hands out the lowest slot
         self.values_np = {name: np.full(capacity, neutral, dtype) for name, dtype, neutral in SAMPLING_FIELDS}

@@ -207,6 +207,11 @@ PRESETS: dict[str, dict] = {
     "tiny-qwen2": dict(architecture="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128,
                        num_layers=2, num_heads=4, num_kv_heads=4, head_dim=16,
                        max_position_embeddings=1024, attention_bias=True),
+    # The default model's head counts (9 q / 3 KV heads) at tiny size, untied, with MLP and
+    # vocabulary sizes no tensor-parallel size divides: the padding cases of models/sharding.py.
+    "tiny-gqa3": dict(architecture="llama", vocab_size=254, hidden_size=64, intermediate_size=90,
+                      num_layers=2, num_heads=9, num_kv_heads=3, head_dim=16,
+                      max_position_embeddings=1024, tie_word_embeddings=False),
     "smollm2-135m": dict(architecture="llama", vocab_size=49152, hidden_size=576,
                          intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3,
                          head_dim=64, max_position_embeddings=8192, rope_theta=100000.0,

@@ -83,7 +83,8 @@ def _dequantize(path: str, tensor) -> np.ndarray:
     return arr.reshape(expected)
 
 
-def load_gguf(path: str | os.PathLike, *, dtype: str = "float32", progress: bool = True):
+def load_gguf(path: str | os.PathLike, *, dtype: str = "float32", progress: bool = True,
+              host: bool = False):
     """Returns (ModelConfig, params, reader); params are on the default device in `dtype`."""
     path = os.fspath(path)
     reader = open_gguf(path)
@@ -116,14 +117,14 @@ def load_gguf(path: str | os.PathLike, *, dtype: str = "float32", progress: bool
                                ("q_bias", config.num_heads), ("k_bias", config.num_kv_heads)):
                 if key in m:
                     m[key] = unpermute_rows(m[key], heads)
-        layers.append(to_device(layer_from_matrices(config, m, f"{path}: layer {i}"), dtype))
+        layers.append(to_device(layer_from_matrices(config, m, f"{path}: layer {i}"), dtype, host=host))
     params = {"embed": get("token_embd.weight"), "final_norm": get("output_norm.weight")}
     if not config.tie_word_embeddings:
         params["lm_head"] = get("output.weight").T
     embed_shape = (config.vocab_size, config.hidden_size)
     if params["embed"].shape != embed_shape:
         raise ValueError(f"{path}: token_embd.weight has shape {params['embed'].shape}, expected {embed_shape}")
-    params = to_device(params, dtype)
+    params = to_device(params, dtype, host=host)
     params["layers"] = layers
     bar.close()
     return config, params, reader

@@ -51,7 +51,8 @@ def safetensors_files(folder: str) -> dict[str, str]:
     return mapping
 
 
-def load_hf_folder(folder: str | os.PathLike, *, dtype: str = "float32", progress: bool = True):
+def load_hf_folder(folder: str | os.PathLike, *, dtype: str = "float32", progress: bool = True,
+              host: bool = False):
     """Returns (ModelConfig, params) from a HF checkpoint folder."""
     from safetensors import safe_open
 
@@ -89,10 +90,10 @@ def load_hf_folder(folder: str | os.PathLike, *, dtype: str = "float32", progres
     for i in range(config.num_layers):
         prefix = f"model.layers.{i}."
         m = {ours: tensors[prefix + hf] for hf, ours in _LAYER_TENSORS.items() if prefix + hf in tensors}
-        layers.append(to_device(layer_from_matrices(config, m, f"{folder}: layer {i}"), dtype))
+        layers.append(to_device(layer_from_matrices(config, m, f"{folder}: layer {i}"), dtype, host=host))
     params = {"embed": get("model.embed_tokens.weight"), "final_norm": get("model.norm.weight")}
     if not config.tie_word_embeddings:
         params["lm_head"] = get("lm_head.weight").T
-    params = to_device(params, dtype)
+    params = to_device(params, dtype, host=host)
     params["layers"] = layers
     return config, params

@@ -240,8 +240,14 @@ def forward_paged(
     *,
     attention_backend: str = "xla",
     interpret: bool = False,
+    tp_axis: str | None = None,
 ):
     """One step over a ragged batch; returns ((k_cache, v_cache), logits [L, v] float32).
+
+    tp_axis: inside a shard_map over that mesh axis (models/sharding.py), `params`, `kv_cache`
+    and `config` are one shard's (its heads, MLP columns and vocabulary rows); the residual
+    stream is all-reduced after wo and after w_down (Megatron), the embedding lookup is
+    vocab-parallel (a masked local gather, all-reduced) and the logits are all-gathered.
 
     `kv_cache` is (k_cache, v_cache), each [num_layers, num_blocks, block_size, k, d]
     (engine/kv_cache.py), in the model dtype or, for a 16-bit model on the xla path, uint16
@@ -268,11 +274,15 @@ def forward_paged(
         attn = ragged_paged_attention(
             q, k_cache, v_cache, md, layer=index, sm_scale=sm_scale,
             sliding_window=config.sliding_window, backend=attention_backend, interpret=interpret)
-        x = x + _proj("thd,hde->te", attn, layer["wo"])
-        x = x + _mlp(layer, rms_norm(x, layer["mlp_norm"], config.rms_norm_eps))
+        x = x + reduce(_proj("thd,hde->te", attn, layer["wo"]))
+        x = x + reduce(_mlp(layer, rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)))
         return x, k_cache, v_cache
 
-    x = embed_tokens(params["embed"], batch.input_ids)
+    reduce = (lambda y: y) if tp_axis is None else (lambda y: jax.lax.psum(y, tp_axis))
+    if tp_axis is None:
+        x = embed_tokens(params["embed"], batch.input_ids)
+    else:
+        x = _embed_vocab_parallel(params["embed"], batch.input_ids, tp_axis)
     k_cache, v_cache = kv_cache
     layers = params["layers"]
     if isinstance(layers, list):
@@ -286,4 +296,16 @@ def forward_paged(
         indices = jnp.arange(num_layers_of(params), dtype=jnp.int32)
         (x, k_cache, v_cache), _ = jax.lax.scan(body, (x, k_cache, v_cache), (layers, indices))
     h = rms_norm(x[batch.logits_indices], params["final_norm"], config.rms_norm_eps)
-    return (k_cache, v_cache), _logits(params, h)
+    logits = _logits(params, h)
+    if tp_axis is not None:
+        logits = jax.lax.all_gather(logits, tp_axis, axis=1, tiled=True)
+    return (k_cache, v_cache), logits
+
+
+def _embed_vocab_parallel(embed: jax.Array, token_ids: jax.Array, axis: str) -> jax.Array:
+    """This shard holds vocabulary rows [i * v_local, (i + 1) * v_local): its rows of the lookup,
+    zeros elsewhere, summed over the shards (exact: one shard contributes each token)."""
+    local = token_ids - jax.lax.axis_index(axis) * embed.shape[0]
+    mine = (local >= 0) & (local < embed.shape[0])
+    rows = embed_tokens(embed, jnp.where(mine, local, 0))
+    return jax.lax.psum(jnp.where(mine[:, None], rows, 0.0), axis)

@@ -42,13 +42,15 @@ def resolve_model_path(spec: str) -> str:
 
 def load_model(spec: str = "default", *, dtype: str = "float32", seed: int = 0,
                tokenizer: str | None = None, cache_dir: str | None = None,
-               progress: bool = True) -> LoadedModel:
+               progress: bool = True, host: bool = False) -> LoadedModel:
+    """host=True: weights stay in host memory (numpy) where the source allows it (GGUF, HF,
+    random), for an engine that places them shard by shard on a mesh."""
     from text.tokenizer import load_tokenizer, tokenizer_from_gguf
 
     start = time.perf_counter()
     if spec.startswith("random:"):
         config = preset_config(spec.split(":", 1)[1])
-        params = random_params(config, seed=seed, dtype=dtype)
+        params = random_params(config, seed=seed, dtype=dtype, host=host)
         tok = load_tokenizer(tokenizer) if tokenizer else ByteTokenizer(config.vocab_size)
         return LoadedModel(config, params, tok, spec, time.perf_counter() - start)
     path = resolve_model_path(spec)
@@ -59,7 +61,7 @@ def load_model(spec: str = "default", *, dtype: str = "float32", seed: int = 0,
         tok = _tokenizer_for(tokenizer, tok_source, path)
         return LoadedModel(config, params, tok, path, time.perf_counter() - start)
     if os.path.isdir(path):
-        config, params = load_hf_folder(path, dtype=dtype, progress=progress)
+        config, params = load_hf_folder(path, dtype=dtype, progress=progress, host=host)
         tok = load_tokenizer(tokenizer or path)
         return LoadedModel(config, params, tok, path, time.perf_counter() - start)
     cached = _cache_folder(cache_dir, path, dtype) if cache_dir else None
@@ -67,7 +69,7 @@ def load_model(spec: str = "default", *, dtype: str = "float32", seed: int = 0,
         config, params, tok_source = load_checkpoint(cached)
         tok = _tokenizer_for(tokenizer, tok_source, cached)
         return LoadedModel(config, params, tok, path, time.perf_counter() - start, from_cache=True)
-    config, params, reader = load_gguf(path, dtype=dtype, progress=progress)
+    config, params, reader = load_gguf(path, dtype=dtype, progress=progress, host=host)
     tok = load_tokenizer(tokenizer) if tokenizer else tokenizer_from_gguf(reader, path)
     if cached:
         save_checkpoint(cached, config, params, tokenizer_source=path)

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from models.config import ModelConfig
 
 
-def random_params(config: ModelConfig, *, seed: int = 0, dtype: str = "float32") -> dict:
+def random_params(config: ModelConfig, *, seed: int = 0, dtype: str = "float32", host: bool = False) -> dict:
+    """host=True: each tensor is fetched to host memory as soon as it is drawn (numpy), so a
+    sharded engine never holds the whole model on one device."""
     e, f, d = config.hidden_size, config.intermediate_size, config.head_dim
     h, k = config.num_heads, config.num_kv_heads
     target = jnp.dtype(dtype)
@@ -21,11 +24,13 @@ def random_params(config: ModelConfig, *, seed: int = 0, dtype: str = "float32")
 
     def normal(shape, fan_in):
         key = jax.random.fold_in(base, next(counter))
-        return (jax.random.normal(key, shape, jnp.float32) / jnp.sqrt(fan_in)).astype(target)
+        out = (jax.random.normal(key, shape, jnp.float32) / jnp.sqrt(fan_in)).astype(target)
+        return np.asarray(out) if host else out
 
     def norm_weight():
         key = jax.random.fold_in(base, next(counter))
-        return (1.0 + 0.1 * jax.random.normal(key, (e,), jnp.float32)).astype(target)
+        out = (1.0 + 0.1 * jax.random.normal(key, (e,), jnp.float32)).astype(target)
+        return np.asarray(out) if host else out
 
     layers = []
     for _ in range(config.num_layers):

@@ -49,12 +49,15 @@ def layer_from_matrices(config: ModelConfig, m: dict[str, np.ndarray], where: st
     return layer
 
 
-def to_device(tree, dtype: str):
-    """Casts numpy leaves to `dtype` on the host (so only the final array crosses) and places them."""
+def to_device(tree, dtype: str, *, host: bool = False):
+    """Casts numpy leaves to `dtype` on the host (so only the final array crosses) and places them
+    on the default device; host=True keeps them in host memory (numpy), for a caller that places
+    each device's shard itself (models/sharding.py)."""
     import jax
 
     target = jnp.dtype(dtype)
-    return jax.tree.map(lambda a: jnp.asarray(np.asarray(a, dtype=np.float32).astype(target)), tree)
+    cast = lambda a: np.asarray(a, dtype=np.float32).astype(target)  # noqa: E731
+    return jax.tree.map(cast if host else (lambda a: jnp.asarray(cast(a))), tree)
 
 
 def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:

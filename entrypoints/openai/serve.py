@@ -151,9 +151,9 @@ def server_config_from_flags() -> ServerConfig:
 
 def _build_llm_engine(config: EngineConfig):
     # Imported here so that jax and the model load only when serving the real engine.
-    from engine.llm_engine import LLMEngine
+    from engine.dp_engine import make_engine
 
-    return LLMEngine(config)
+    return make_engine(config)
 
 
 def main(argv, engine_factory=None) -> None:

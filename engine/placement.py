@@ -1,0 +1,100 @@
+"""Placement: one replica's device group (a Mesh of shape (1, tp)) and how the model lives on it.
+
+The runner gets a Placement when the engine runs on a mesh (tensor_parallel_size > 1, or one
+replica of several); without one it keeps the single-device path unchanged. A Placement:
+1. lays the loaded weights out for the mesh on the host (models/sharding.py: heads padded to a
+   multiple of tp, q/k/v fused per shard, layers stacked) and places each device's shard directly
+   (`place`);
+2. gives the KV cache's sharding (split on KV heads) and the replicated sharding of everything
+   else (step inputs, the request table, the sampler's outputs);
+3. returns the step's forward: models/llama.forward_paged under shard_map at tp > 1, the plain
+   forward on the replica's single device at tp = 1;
+4. reports the bytes each device holds (weights, KV cache).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from models.config import ModelConfig
+from models.llama import forward_paged
+from models.sharding import (
+    KV_CACHE_SPEC,
+    MODEL_AXIS,
+    TPLayout,
+    bytes_per_device,
+    forward_paged_sharded,
+    place_params,
+    shard_params_host,
+    tp_layout,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    mesh: Mesh  # axes ("data", "model"), shape (1, tp)
+    layout: TPLayout
+
+    @classmethod
+    def for_mesh(cls, mesh: Mesh, config: ModelConfig) -> Placement:
+        return cls(mesh, tp_layout(config, mesh.shape[MODEL_AXIS]))
+
+    @property
+    def tp(self) -> int:
+        return self.layout.tp
+
+    @property
+    def devices(self) -> list:
+        return list(self.mesh.devices.flat)
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec())
+
+    @property
+    def kv_sharding(self) -> NamedSharding:
+        return NamedSharding(self.mesh, KV_CACHE_SPEC)
+
+    def place(self, params: dict, config: ModelConfig, *, dtype: str, scan_layers: bool) -> dict:
+        """Loader-layout params (numpy or device arrays) -> the served layout, shard by shard."""
+        host = shard_params_host(params, config, self.layout, dtype=dtype, scan_layers=scan_layers)
+        return place_params(host, self.mesh)
+
+    def forward(self, *, attention_backend: str, interpret: bool):
+        """(params, kv_cache, inputs) -> (kv_cache, logits [L, v]) for the compiled step."""
+        if self.tp == 1:
+            return functools.partial(_forward_single, config=self.layout.local,
+                                     attention_backend=attention_backend, interpret=interpret)
+        return functools.partial(_forward_tp, layout=self.layout, mesh=self.mesh,
+                                 attention_backend=attention_backend, interpret=interpret)
+
+    def bytes_per_device(self, tree) -> list[int]:
+        """Bytes of `tree` on each device of the group, in mesh order."""
+        held = bytes_per_device(tree)
+        return [held.get(d, 0) for d in self.devices]
+
+
+def _forward_single(params, kv_cache, inputs, *, config, attention_backend, interpret):
+    return forward_paged(params, config, kv_cache, inputs, attention_backend=attention_backend,
+                         interpret=interpret)
+
+
+def _forward_tp(params, kv_cache, inputs, *, layout, mesh, attention_backend, interpret):
+    return forward_paged_sharded(params, layout, kv_cache, inputs, mesh=mesh,
+                                 attention_backend=attention_backend, interpret=interpret)
+
+
+def device_bytes(runner, placement: Placement | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(weight bytes, KV-cache bytes) per device of the runner's group (a runner without device
+    arrays, a fake one in tests: empty tuples)."""
+    params, cache = getattr(runner, "params", None), getattr(runner, "kv_cache", None)
+    if params is None or cache is None:
+        return (), ()
+    if placement is None:
+        held_w, held_kv = bytes_per_device(params), bytes_per_device(cache)
+        devices = sorted(set(held_w) | set(held_kv), key=lambda d: d.id)
+        return tuple(held_w.get(d, 0) for d in devices), tuple(held_kv.get(d, 0) for d in devices)
+    return tuple(placement.bytes_per_device(params)), tuple(placement.bytes_per_device(cache))

@@ -1,0 +1,200 @@
+"""Tensor parallelism for the llama family: the sharding rules, head padding, shard-by-shard placement.
+
+The Megatron pattern over the mesh axis "model" (size tp):
+- q/k/v (fused wqkv) and gate/up (fused w_gate_up) are split by output heads / columns, wo and
+  w_down by rows, so each device computes its own heads' attention and its own slice of the MLP,
+  and one all-reduce (psum) after wo and one after w_down per layer rebuild the residual stream.
+- embed [v, e] and lm_head [e, v] are split by vocabulary: the embedding lookup is a masked local
+  gather plus one all-reduce per step, the logits one all-gather per step (the sampler then sees
+  the full vocabulary, replicated).
+- norms are replicated; the KV cache is split on its KV-head axis.
+
+Head counts that tp does not divide are PADDED, not replicated: the KV heads go up to the next
+multiple of tp, and every padded KV head gets its group of g = h / k padded query heads (so GQA
+grouping stays per shard). Padded heads have zero q/k/v weights and zero wo rows: their K/V are
+zeros, their attention output is a mean of zero V, and wo multiplies it by zero rows, so they add
+exactly nothing. Cost (the default model, 9 q / 3 KV heads): at tp = 2 or 4, 12 q / 4 KV heads,
+i.e. +33 % attention weights (wqkv, wo), +33 % KV cache bytes and attention FLOPs; the MLP and
+the embeddings are not padded unless f or v is not a multiple of tp (then zero columns / rows,
+padded logits are never sampled: the sampler cuts at the tokenizer's vocabulary).
+
+The fused layout is built per shard on the host: wqkv's head axis holds, shard after shard, that
+shard's q heads, then its k heads, then its v heads ([e, tp * (h/tp + 2k/tp), d]), so a plain
+split of axis "model" hands each device exactly the fused wqkv of its own heads. Weights are
+placed with `jax.make_array_from_callback`: each device receives only its slice from host memory,
+never a full copy on device 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from models.config import ModelConfig
+
+MODEL_AXIS = "model"
+
+# Parameter name (served, fused layout; one layer, no layer axis) -> PartitionSpec.
+LLAMA_RULES: dict[str, P] = {
+    "embed": P(MODEL_AXIS, None),  # [v, e] by vocabulary
+    "lm_head": P(None, MODEL_AXIS),  # [e, v] by vocabulary
+    "final_norm": P(None),
+    "attn_norm": P(None),
+    "mlp_norm": P(None),
+    "wqkv": P(None, MODEL_AXIS, None),  # [e, h + 2k, d] by heads (per-shard fused order)
+    "bqkv": P(MODEL_AXIS, None),  # [h + 2k, d]
+    "wo": P(MODEL_AXIS, None, None),  # [h, d, e] by rows (heads)
+    "w_gate_up": P(None, None, MODEL_AXIS),  # [e, 2, f] by columns
+    "w_down": P(MODEL_AXIS, None),  # [f, e] by rows
+}
+KV_CACHE_SPEC = P(None, None, None, MODEL_AXIS, None)  # [L, num_blocks, block_size, Hkv, D]
+
+
+@dataclasses.dataclass(frozen=True)
+class TPLayout:
+    """The padded global sizes of a model split tp ways; `local` is one shard's ModelConfig."""
+
+    tp: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    local: ModelConfig  # the shape each device's forward sees (its heads, its MLP and vocab slices)
+    padded: ModelConfig  # the global shape after padding (what the KV cache is allocated for)
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def tp_layout(config: ModelConfig, tp: int) -> TPLayout:
+    k = _round_up(config.num_kv_heads, tp)
+    h = k * (config.num_heads // config.num_kv_heads)
+    f = _round_up(config.intermediate_size, tp)
+    v = _round_up(config.vocab_size, tp)
+    local = dataclasses.replace(config, num_heads=h // tp, num_kv_heads=k // tp,
+                                intermediate_size=f // tp, vocab_size=v // tp)
+    padded = dataclasses.replace(config, num_heads=h, num_kv_heads=k, intermediate_size=f, vocab_size=v)
+    return TPLayout(tp, h, k, f, v, local, padded)
+
+
+def partition_spec(name: str, *, stacked: bool) -> P:
+    spec = LLAMA_RULES[name]
+    return P(None, *spec) if stacked else spec
+
+
+def param_specs(params: dict) -> dict:
+    """The PartitionSpec pytree matching a served (fused) parameter pytree."""
+    layers = params["layers"]
+    top = {name: LLAMA_RULES[name] for name in params if name != "layers"}
+    if isinstance(layers, list):
+        return {**top, "layers": [{n: LLAMA_RULES[n] for n in layer} for layer in layers]}
+    return {**top, "layers": {n: partition_spec(n, stacked=True) for n in layers}}
+
+
+def _pad(a: np.ndarray, axis: int, size: int) -> np.ndarray:
+    if a.shape[axis] == size:
+        return a
+    widths = [(0, 0)] * a.ndim
+    widths[axis] = (0, size - a.shape[axis])
+    return np.pad(a, widths)
+
+
+def _pad_heads(a: np.ndarray, axis: int, num_groups: int, group: int, padded_groups: int) -> np.ndarray:
+    """Pads a head axis of num_groups * group heads to padded_groups * group (whole GQA groups)."""
+    shape = a.shape
+    grouped = a.reshape(*shape[:axis], num_groups, group, *shape[axis + 1 :])
+    grouped = _pad(grouped, axis, padded_groups)
+    return grouped.reshape(*shape[:axis], padded_groups * group, *shape[axis + 1 :])
+
+
+def _fuse_per_shard(q: np.ndarray, k: np.ndarray, v: np.ndarray, axis: int, tp: int) -> np.ndarray:
+    """[.., h, ..], [.., k, ..] x2 -> [.., tp * (h/tp + 2k/tp), ..]: each shard's q, k, v heads."""
+    parts = zip(*(np.split(x, tp, axis=axis) for x in (q, k, v)))
+    return np.concatenate([np.concatenate(p, axis=axis) for p in parts], axis=axis)
+
+
+def shard_layer_host(layer: dict, config: ModelConfig, layout: TPLayout) -> dict:
+    """One loader-layout layer (numpy) -> the served, padded, per-shard fused layer (numpy)."""
+    kv, g, kp, tp = config.num_kv_heads, config.num_heads // config.num_kv_heads, layout.num_kv_heads, layout.tp
+    q = _pad_heads(layer["wq"], 1, kv, g, kp)
+    k = _pad_heads(layer["wk"], 1, kv, 1, kp)
+    v = _pad_heads(layer["wv"], 1, kv, 1, kp)
+    out = {"attn_norm": layer["attn_norm"], "mlp_norm": layer["mlp_norm"],
+           "wqkv": _fuse_per_shard(q, k, v, 1, tp),
+           "wo": _pad_heads(layer["wo"], 0, kv, g, kp),
+           "w_gate_up": np.stack([_pad(layer["w_gate"], 1, layout.intermediate_size),
+                                  _pad(layer["w_up"], 1, layout.intermediate_size)], axis=-2),
+           "w_down": _pad(layer["w_down"], 0, layout.intermediate_size)}
+    if "bq" in layer:
+        out["bqkv"] = _fuse_per_shard(_pad_heads(layer["bq"], 0, kv, g, kp), _pad_heads(layer["bk"], 0, kv, 1, kp),
+                                      _pad_heads(layer["bv"], 0, kv, 1, kp), 0, tp)
+    return out
+
+
+def to_host(a, dtype) -> np.ndarray:
+    """A loader's array (numpy, or a device array fetched one tensor at a time) in `dtype`."""
+    a = np.asarray(jax.device_get(a))
+    return a if a.dtype == jnp.dtype(dtype) else a.astype(np.float32).astype(jnp.dtype(dtype))
+
+
+def shard_params_host(params: dict, config: ModelConfig, layout: TPLayout, *, dtype: str,
+                      scan_layers: bool) -> dict:
+    """The whole served pytree on the host: padded, fused per shard, stacked (and as uint16 bits
+    when stacked and 16-bit, as models/llama.pack_layer_bits would), ready to place."""
+    host = lambda a: to_host(a, dtype)  # noqa: E731
+    layers = [shard_layer_host(jax.tree.map(host, layer), config, layout) for layer in params["layers"]]
+    out = {"embed": _pad(host(params["embed"]), 0, layout.vocab_size), "final_norm": host(params["final_norm"])}
+    if "lm_head" in params:
+        out["lm_head"] = _pad(host(params["lm_head"]), 1, layout.vocab_size)
+    if scan_layers:
+        stacked = {name: np.stack([layer[name] for layer in layers]) for name in layers[0]}
+        if jnp.dtype(dtype).itemsize == 2:
+            stacked = {name: w.view(np.uint16) for name, w in stacked.items()}
+        out["layers"] = stacked
+    else:
+        out["layers"] = layers
+    return out
+
+
+def place_params(host_params: dict, mesh) -> dict:
+    """Each device gets only its slice: make_array_from_callback reads the host array per shard
+    (under jax.distributed, only this process's devices are filled)."""
+    specs = param_specs(host_params)
+
+    def place(a: np.ndarray, spec: P):
+        return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec), lambda index: a[index])
+
+    return jax.tree.map(place, host_params, specs, is_leaf=lambda x: isinstance(x, np.ndarray))
+
+
+def bytes_per_device(tree) -> dict:
+    """{device: bytes of the tree's shards held there} (addressable devices only)."""
+    out: dict = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            out[shard.device] = out.get(shard.device, 0) + shard.data.nbytes
+    return out
+
+
+def forward_paged_sharded(params: dict, layout: TPLayout, kv_cache: tuple, batch, *, mesh,
+                          attention_backend: str, interpret: bool = False):
+    """models/llama.forward_paged under shard_map over "model": every device runs its own heads
+    (attention, whichever backend, on its local heads and its local KV-cache shard) and its MLP
+    slice; returns the sharded cache and the full logits [L, v padded], replicated."""
+    from models.llama import forward_paged
+
+    cache_specs = (KV_CACHE_SPEC, KV_CACHE_SPEC)
+
+    def local(p, cache, b):
+        return forward_paged(p, layout.local, cache, b, attention_backend=attention_backend,
+                             interpret=interpret, tp_axis=MODEL_AXIS)
+
+    mapped = jax.shard_map(local, mesh=mesh, in_specs=(param_specs(params), cache_specs, P()),
+                           out_specs=(cache_specs, P()), check_vma=False)
+    return mapped(params, kv_cache, batch)
