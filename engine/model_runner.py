@@ -127,6 +127,7 @@ class ModelRunner:
             futures = {pool.submit(self._lower(bucket).compile): bucket for bucket in todo}
             for future in concurrent.futures.as_completed(futures):
                 self._compiled[futures[future]] = future.result()
+                self._token_mask(futures[future], None)  # the bucket's resident idle mask
                 bar.update()
         bar.close()
 
@@ -138,6 +139,7 @@ class ModelRunner:
             if bucket not in self.shapes.buckets():
                 raise ValueError(f"shape {bucket} is not a declared bucket: {self.shapes.buckets()}")
             self._compiled[bucket] = self._lower(bucket).compile()
+            self._token_mask(bucket, None)
         return self._compiled[bucket]
 
     def _lower(self, bucket: Bucket):
@@ -149,8 +151,9 @@ class ModelRunner:
 
     def _token_mask(self, bucket: Bucket, built) -> jax.Array:
         """The step's token_mask argument: sent when a row is constrained; otherwise a resident
-        zero buffer per bucket (allocated once), so unconstrained steps move no mask bytes."""
-        if built.mask is not None:
+        zero buffer per bucket (allocated with the bucket's executable), so unconstrained steps move
+        no mask bytes."""
+        if built is not None and built.mask is not None:
             return jax.device_put(built.mask, self._input_sharding)
         if bucket not in self._idle_masks:
             self._idle_masks[bucket] = jax.device_put(np.zeros_like(self._layout(bucket).mask),
