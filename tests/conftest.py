@@ -14,7 +14,32 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 os.environ.setdefault("JAXSERVE_COMPILATION_CACHE", str(ROOT / ".cache" / "jax"))
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_compilation_cache_dir", os.environ["JAXSERVE_COMPILATION_CACHE"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+# Modules that share the session-scoped compiled engines of tests/engine/conftest.py (the default
+# model, random:tiny, random:tiny with speculation): one pytest-xdist work unit, so one worker
+# compiles each engine once instead of every worker compiling it again.
+SHARED_ENGINE_MODULES = frozenset(f"tests/engine/{name}.py" for name in (
+    "test_engine_behaviour", "test_greedy_equivalence", "test_prompt_logprobs", "test_runner_shapes",
+    "test_structured_output", "test_spec_decode_tiny", "test_spec_decode_draft", "test_request_table",
+    "test_pallas_engine"))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadscope (a module per work unit), with SHARED_ENGINE_MODULES as one unit."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedEngineScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "shared-engines" if module in SHARED_ENGINE_MODULES else nodeid.rsplit("::", 1)[0]
+
+    return SharedEngineScheduling(config, log)
