@@ -112,7 +112,9 @@ def test_queue_full_counts_waiting_and_pending():
         assert not async_engine.queue_is_full(2) and async_engine.queue_is_full(3)
         streams = [async_engine.new_stream() for _ in range(6)]
         for i, stream in enumerate(streams):  # 4 run, 2 wait
-            await async_engine.add_request(stream, f"q{i}", [1, 2], SamplingParams(max_tokens=30))
+            # Long enough that no running request finishes (and a waiting one joins) while the
+            # loop below polls on a loaded machine; they are aborted at the end.
+            await async_engine.add_request(stream, f"q{i}", [1, 2], SamplingParams(max_tokens=10_000))
         for _ in range(100):
             if async_engine.stats().num_running == 4:
                 break
