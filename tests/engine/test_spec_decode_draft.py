@@ -33,6 +33,10 @@ def draft_engine(tiny_spec_engine):
 
     config = EngineConfig(**DRAFT_KNOBS)
     target = tiny_spec_engine
+    # Requests that finished in the target's last step leave its runner's table only with the
+    # next step: flush them, or their slots stay taken under the draft engine's scheduler.
+    assert not target.has_unfinished_requests()
+    target.step()
     proposer = build_draft_proposer(config, target.runner.shapes, types.SimpleNamespace(tokenizer=target.tokenizer),
                                     dtype=target.dtype, backend=target.attention_backend, platform="cpu",
                                     max_model_len=target.max_model_len, progress=False)
