@@ -31,6 +31,7 @@ import zlib
 
 from engine.builder import EngineParts, build_parts, scheduler_config_for
 from engine.config import EngineConfig
+from engine.engine_stats import EngineDeadError, EngineStats
 from engine.logit_controls import build_logit_controls
 from engine.model_runner import num_backend_compilations
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -39,45 +40,12 @@ from engine.request_state import RequestState, SequenceState
 from engine.request_table import RowParams
 from engine.sampling_params import ParamError, SamplingParams
 from engine.spec_decode.base import make_spec_decoder
-from engine.spec_decode.controller import SpecDecodeStats
 from engine.structured_output.masks import BadWordsState
 from scheduler import FinishReason, Request, Scheduler
 
 # Knobs that change only the scheduler (no compiled shape): reconfigure_scheduler() takes these.
 SCHEDULER_KNOBS = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "enable_prefix_caching",
                    "enable_chunked_prefill", "policy", "kv_allocation", "max_request_share")
-
-
-class EngineDeadError(RuntimeError):
-    """The runner lost its device state; the engine cannot serve any more."""
-
-
-@dataclasses.dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float  # used blocks / usable blocks
-    prefix_cache_queries: int  # prompt tokens looked up
-    prefix_cache_hits: int  # of those, found cached
-    num_preemptions: int
-    num_prompt_tokens: int  # prompt tokens of requests added
-    num_generation_tokens: int  # tokens generated
-    num_compilations: int  # XLA compilations in this process
-    num_steps: int
-    num_free_blocks: int
-    num_cached_blocks: int
-    padded_token_fraction: float  # padding tokens / all tokens fed so far
-    num_failed_steps: int = 0  # steps whose runner call raised
-    spec_decode: SpecDecodeStats | None = None  # speculative decoding counters; None: off
-    num_constrained_requests: int = 0  # requests added with structured output
-    num_grammars_compiled: int = 0  # grammar LRU misses
-    grammar_compile_seconds: float = 0.0  # total time building grammars (on the callers' threads)
-    mask_fill_seconds: float = 0.0  # host time filling token masks in the step loop
-    num_mask_steps: int = 0  # steps that filled at least one token mask
-    weight_bytes_per_device: tuple[int, ...] = ()  # the weights' shards on each device of the group
-    kv_cache_bytes_per_device: tuple[int, ...] = ()  # the KV cache's shards on each device
-    replicas: tuple = ()  # data parallelism (engine/dp_engine.py): each replica's own EngineStats
-    router: object = None  # data parallelism: engine/router.RouterStats
 
 
 class LLMEngine:
