@@ -11,7 +11,7 @@ import pytest
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from tests.engine.conftest import TINY_KNOBS, run_to_completion, scheduler_as, spec_off
-from tests.engine.test_spec_decode_tiny import _alone_and_batched, _prompts
+from tests.engine.test_spec_decode_tiny import _prompts, same_tokens_on_and_off
 
 DRAFT_KNOBS = dict(
     TINY_KNOBS, token_buckets=(4, 16, 64),
@@ -55,17 +55,8 @@ def draft_engine(tiny_spec_engine):
     SamplingParams(temperature=8.0, seed=4, max_tokens=20, ignore_eos=True, logprobs=1),
 ], ids=["greedy", "seeded"])
 def test_draft_model_gives_the_same_tokens_alone_and_in_a_batch_of_16(draft_engine, params):
-    engine = draft_engine
-    prompts = _prompts(engine.model_config.vocab_size, seed=5)
-    with spec_off(engine):
-        off_alone, off_batch = _alone_and_batched(engine, prompts, params, "off")
-    before = engine.get_stats().spec_decode
-    on_alone, on_batch = _alone_and_batched(engine, prompts, params, "on")
-    after = engine.get_stats().spec_decode
-    assert off_alone == off_batch[:8] == off_batch[8:]
-    assert on_alone == off_alone and on_batch == off_batch
-    drafted = after.num_draft_tokens - before.num_draft_tokens
-    accepted = after.num_accepted_tokens - before.num_accepted_tokens
+    prompts = _prompts(draft_engine.model_config.vocab_size, seed=5)
+    drafted, accepted, after = same_tokens_on_and_off(draft_engine, prompts, params)
     assert after.method == "draft_model" and drafted > 0
     if params.temperature == 0:
         assert accepted == drafted  # the draft is the target

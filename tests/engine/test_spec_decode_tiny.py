@@ -43,12 +43,9 @@ def _alone_and_batched(engine, prompts, params, tag):
     return alone, together
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
-    SamplingParams(temperature=8.0, top_p=0.95, top_k=50, seed=11, max_tokens=20, ignore_eos=True),
-], ids=["greedy", "seeded"])
-def test_same_tokens_with_and_without_drafts_alone_and_in_a_batch_of_16(tiny_spec_engine, prompts, params):
-    engine = tiny_spec_engine
+def same_tokens_on_and_off(engine, prompts, params):
+    """Asserts the tokens without drafts and with them are the same, alone and in a batch of 16;
+    returns (drafts verified, drafts accepted, the spec stats after) of the speculative runs."""
     with spec_off(engine):
         off_alone, off_batch = _alone_and_batched(engine, prompts, params, "off")
     before = engine.get_stats().spec_decode
@@ -56,8 +53,16 @@ def test_same_tokens_with_and_without_drafts_alone_and_in_a_batch_of_16(tiny_spe
     after = engine.get_stats().spec_decode
     assert off_alone == off_batch[:8] == off_batch[8:]
     assert on_alone == off_alone and on_batch == off_batch
-    drafted = after.num_draft_tokens - before.num_draft_tokens
-    accepted = after.num_accepted_tokens - before.num_accepted_tokens
+    return (after.num_draft_tokens - before.num_draft_tokens,
+            after.num_accepted_tokens - before.num_accepted_tokens, after)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+    SamplingParams(temperature=8.0, top_p=0.95, top_k=50, seed=11, max_tokens=20, ignore_eos=True),
+], ids=["greedy", "seeded"])
+def test_same_tokens_with_and_without_drafts_alone_and_in_a_batch_of_16(tiny_spec_engine, prompts, params):
+    drafted, accepted, _ = same_tokens_on_and_off(tiny_spec_engine, prompts, params)
     assert drafted > 0 and 0 < accepted
     if params.temperature > 0:
         assert accepted < drafted  # some drafts were rejected and rolled back
