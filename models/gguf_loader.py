@@ -29,37 +29,20 @@ _LAYER_TENSORS = {
 
 
 def open_gguf(path: str | os.PathLike):
-    """Opens a GGUF file, turning every failure into an error that names the file."""
-    import gguf
+    """The parsed GGUF file (text/gguf_file.GGUFFile); every failure is an error naming the file:
+    FileNotFoundError, or a ValueError saying "not a GGUF file" / "truncated or corrupted"."""
+    from text.tokenizer import open_gguf as open_checked
 
-    path = os.fspath(path)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path}: no such file")
-    if os.path.isdir(path):
-        raise ValueError(f"{path}: is a folder, not a GGUF file")
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
-        raise ValueError(f"{path}: not a GGUF file (magic bytes {magic!r}, expected b'GGUF')")
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as e:  # the reader raises ValueError, struct/index errors on truncation
-        raise ValueError(f"{path}: corrupted or truncated GGUF file ({type(e).__name__}: {e})") from None
+    return open_checked(path)
 
 
 def gguf_metadata(reader) -> dict:
     """Scalar and string fields as Python values (the big token/merge arrays are left out)."""
-    meta = {}
-    for key, field in reader.fields.items():
-        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores",
-                   "tokenizer.ggml.token_type"):
-            continue
-        try:
-            meta[key] = field.contents()
-        except Exception:  # a field of a type this gguf version cannot decode: not ours to need
-            continue
+    meta = {key: field.contents() for key, field in reader.fields.items()
+            if key not in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores",
+                           "tokenizer.ggml.token_type")}
     if "tokenizer.ggml.tokens" in reader.fields:
-        meta["tokenizer.ggml.tokens"] = range(len(reader.fields["tokenizer.ggml.tokens"].data))
+        meta["tokenizer.ggml.tokens"] = range(len(reader.fields["tokenizer.ggml.tokens"]))
     return meta
 
 

@@ -24,7 +24,6 @@ import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-import gguf
 import sentencepiece
 import tokenizers
 
@@ -36,6 +35,8 @@ from text.chat_template import (
     validate_messages,
 )
 from text.detokenizer import IncrementalDetokenizer
+from text.gguf_file import MAGIC as _GGUF_MAGIC
+from text.gguf_file import GGUFFile, GGUFFormatError
 from text.tokenizer_gguf import gguf_tokenizer_spec
 from text.tokenizer_hf import check_path, hf_tokenizer_spec
 from text.tokenizer_spec import PromptTooLongError, TokenizerLoadError, TokenizerSpec
@@ -48,8 +49,6 @@ __all__ = [
     "load_tokenizer",
     "tokenizer_from_gguf",
 ]
-
-_GGUF_MAGIC = b"GGUF"
 
 
 class Tokenizer:
@@ -275,7 +274,7 @@ def _encode_unlocked(backend: tokenizers.Tokenizer, text: str, limit: int | None
     return encoding.ids
 
 
-def tokenizer_from_gguf(reader: gguf.GGUFReader, path: str | os.PathLike) -> Tokenizer:
+def tokenizer_from_gguf(reader: GGUFFile, path: str | os.PathLike) -> Tokenizer:
     """The tokenizer stored in an open GGUF file (`path` names it in errors)."""
     try:
         return Tokenizer(gguf_tokenizer_spec(reader, path))
@@ -287,8 +286,9 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader, path: str | os.PathLike) -> Tok
         ) from e
 
 
-def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
-    """GGUFReader for `path`, with errors that name the file and say what is wrong with it."""
+def open_gguf(path: str | os.PathLike) -> GGUFFile:
+    """The parsed GGUF file at `path` (text/gguf_file.py), with errors that name the file and say
+    what is wrong with it: FileNotFoundError, or TokenizerLoadError (a ValueError)."""
     path = check_path(path)
     if not path.is_file():
         raise TokenizerLoadError(f"{path}: expected a .gguf file, found a folder")
@@ -297,11 +297,10 @@ def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
     if magic != _GGUF_MAGIC:
         raise TokenizerLoadError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
     try:
-        return gguf.GGUFReader(path)
-    except Exception as e:  # gguf raises ValueError, IndexError, numpy errors... on bad files
+        return GGUFFile(path)
+    except (GGUFFormatError, OSError) as e:
         raise TokenizerLoadError(
-            f"{path}: truncated or corrupted GGUF file of {path.stat().st_size} bytes "
-            f"({type(e).__name__}: {e})"
+            f"{path}: truncated or corrupted GGUF file of {path.stat().st_size} bytes ({e})"
         ) from e
 
 

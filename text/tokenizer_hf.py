@@ -171,5 +171,5 @@ def _from_sentencepiece_model(
 def check_path(path: str | os.PathLike) -> pathlib.Path:
     path = pathlib.Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"{path}: no such tokenizer file or folder")
+        raise FileNotFoundError(f"{path}: no such file or folder")
     return path
