@@ -1,7 +1,11 @@
 """Random weights of a named shape (`random:<name>`): performance work and tests, no downloads.
 
-Weights are drawn on the device, tensor by tensor, directly in the target dtype, so an 8B-shaped
-model costs no host memory. Scales keep activations O(1) through the layers.
+On an accelerator weights are drawn on the device, tensor by tensor, directly in the target dtype,
+so an 8B-shaped model costs no host memory. On the CPU (or with host=True) they are drawn by
+numpy: each distinct shape would otherwise compile its own small XLA program (0.3-1 s each on a
+2-core CPU: 5 s for random:tiny before its first step). So the same seed gives different weights
+on the CPU and on an accelerator; on one platform it always gives the same ones. Scales keep
+activations O(1) through the layers.
 """
 
 from __future__ import annotations
@@ -20,17 +24,23 @@ def random_params(config: ModelConfig, *, seed: int = 0, dtype: str = "float32",
     h, k = config.num_heads, config.num_kv_heads
     target = jnp.dtype(dtype)
     counter = iter(range(1 << 30))
-    base = jax.random.key(seed)
+    on_host = host or jax.default_backend() == "cpu"
+    base = None if on_host else jax.random.key(seed)
+
+    def draw(shape, scale, offset):
+        index = next(counter)
+        if on_host:  # one generator per tensor, keyed by (seed, index): order-independent
+            rng = np.random.default_rng([seed, index])
+            out = (offset + np.float32(scale) * rng.standard_normal(shape, np.float32)).astype(target)
+            return out if host else jnp.asarray(out)
+        noise = jax.random.normal(jax.random.fold_in(base, index), shape, jnp.float32)
+        return (offset + scale * noise).astype(target)
 
     def normal(shape, fan_in):
-        key = jax.random.fold_in(base, next(counter))
-        out = (jax.random.normal(key, shape, jnp.float32) / jnp.sqrt(fan_in)).astype(target)
-        return np.asarray(out) if host else out
+        return draw(shape, 1.0 / np.sqrt(fan_in), 0.0)
 
     def norm_weight():
-        key = jax.random.fold_in(base, next(counter))
-        out = (1.0 + 0.1 * jax.random.normal(key, (e,), jnp.float32)).astype(target)
-        return np.asarray(out) if host else out
+        return draw((e,), 0.1, 1.0)
 
     layers = []
     for _ in range(config.num_layers):
