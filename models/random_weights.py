@@ -24,7 +24,10 @@ def random_params(config: ModelConfig, *, seed: int = 0, dtype: str = "float32",
     h, k = config.num_heads, config.num_kv_heads
     target = jnp.dtype(dtype)
     counter = iter(range(1 << 30))
-    on_host = host or jax.default_backend() == "cpu"
+    # Under a trace (jax.eval_shape of this function: shapes without memory) the device path
+    # keeps every tensor abstract; numpy would really draw them.
+    tracing = isinstance(jnp.zeros(()), jax.core.Tracer)
+    on_host = not tracing and (host or jax.default_backend() == "cpu")
     base = None if on_host else jax.random.key(seed)
 
     def draw(shape, scale, offset):
