@@ -24,7 +24,7 @@ setup: $(STAMP)
 # module-scoped engines and servers are built once. TEST_WORKERS=0 runs in this process.
 TEST_WORKERS ?= auto
 test: setup
-	JAX_PLATFORMS=cpu $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadscope --durations=40
+	JAX_PLATFORMS=cpu $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadscope --durations=120
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -9,8 +9,10 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Multi-device code (sharding) is tested on virtual CPU devices.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+# Multi-device code (sharding) is tested on virtual CPU devices. LLVM at -O1 compiles the CPU
+# executables about 20 % faster; steps measured the same (their dots are library calls), and the
+# tests compare numerics between executables compiled alike.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=1")
 os.environ.setdefault("JAXSERVE_COMPILATION_CACHE", str(ROOT / ".cache" / "jax"))
 
 import jax  # noqa: E402

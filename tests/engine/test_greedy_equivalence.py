@@ -93,8 +93,9 @@ def test_prefix_caching_with_shared_system_prompt(engine, prompts, together):
 
 
 def test_small_cache_preempts_and_still_matches(engine, prompts, together):
-    # 16 usable blocks hold one full-length (256-token) request, not eight growing ones.
-    with scheduler_as(engine, enable_prefix_caching=False, num_kv_blocks=17) as sched:
+    # 32 usable blocks (512 tokens) admit most prompts (4-5 blocks each) but not eight growing
+    # requests (6 blocks each by the end): the later ones are preempted and recomputed.
+    with scheduler_as(engine, enable_prefix_caching=False, num_kv_blocks=33) as sched:
         outs = run_to_completion(engine, [(f"s{i}", p, GREEDY) for i, p in enumerate(prompts)])
         assert sched.stats.num_preemptions > 0
     assert [outs[f"s{i}"].outputs[0].token_ids for i in range(len(prompts))] == together
