@@ -24,7 +24,7 @@ setup: $(STAMP)
 # module-scoped engines and servers are built once. TEST_WORKERS=0 runs in this process.
 TEST_WORKERS ?= auto
 test: setup
-	JAX_PLATFORMS=cpu $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadscope --durations=120
+	JAX_PLATFORMS=cpu $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadscope --durations=40
 
 lint: setup
 	$(VENV)/bin/ruff check .
@@ -34,7 +34,7 @@ demo: setup
 
 serve: setup
 	$(PY) -m entrypoints.openai.serve --model=default --host=$(HOST) --port=$(PORT) \
-	  --weights_cache_dir=$(HOME)/.cache/jaxserve/weights $(SERVE_FLAGS)
+	  --weights_cache_dir=$(HOME)/.cache/jaxserve/weights --background_compile $(SERVE_FLAGS)
 
 # A quick concurrency sweep of the server on the default model (a few minutes on a 2-core CPU).
 bench: setup

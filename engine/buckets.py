@@ -82,14 +82,19 @@ class RunnerShapes:
         """Rows of the largest bucket: the request table's capacity."""
         return self.seq_buckets[-1]
 
-    def bucket_for(self, num_tokens: int, num_seqs: int, num_logits: int | None = None) -> Bucket:
-        """The smallest declared bucket that fits the step."""
+    def bucket_for(self, num_tokens: int, num_seqs: int, num_logits: int | None = None,
+                   ready=None) -> Bucket:
+        """The smallest declared bucket that fits the step; with `ready` (a predicate on buckets:
+        compiled yet?), the smallest ready one. The largest bucket is always ready."""
         num_logits = num_seqs if num_logits is None else num_logits
         i = bisect.bisect_left(self.token_buckets, num_tokens)
         if i == len(self.token_buckets):
             raise ValueError(f"{num_tokens} tokens exceed the largest token bucket {self.token_buckets[-1]}")
+        last = self.token_buckets[-1]
         for t in self.token_buckets[i:]:
             bucket = self.bucket_of(t)
+            if ready is not None and t != last and not ready(bucket):
+                continue
             if bucket.padded_seqs >= num_seqs and bucket.padded_logits >= num_logits:
                 return bucket
         raise ValueError(f"a step of {num_seqs} sequences and {num_logits} sampled positions "

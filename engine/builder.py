@@ -119,7 +119,8 @@ def build_parts(config: EngineConfig, *, progress: bool = True, mesh=None, loade
     start = time.perf_counter()
     runner = ModelRunner(loaded.config, params, shapes, dtype=dtype, attention_backend=backend,
                          interpret=config.interpret, scan_layers=scan_layers,
-                         precompile=config.precompile, progress=progress, placement=placement)
+                         precompile=config.precompile,
+                         background_compile=config.background_compile, progress=progress, placement=placement)
     proposer = None
     spec = config.speculative_config
     if spec is not None and spec.method == "draft_model":
@@ -159,7 +160,8 @@ def build_draft_proposer(config: EngineConfig, shapes: RunnerShapes, target, *, 
         num_logprobs=0, logits_per_seq=1, sample_vocab_size=min(shapes.sample_vocab_size, draft.config.vocab_size))
     runner = ModelRunner(draft.config, draft.params, draft_shapes, dtype=dtype, attention_backend=backend,
                          interpret=config.interpret, scan_layers=resolve_scan_layers(config, platform),
-                         precompile=config.precompile, progress=progress)
+                         precompile=config.precompile,
+                         background_compile=config.background_compile, progress=progress)
     return DraftModelProposer(runner, spec.num_speculative_tokens)
 
 

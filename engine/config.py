@@ -47,6 +47,7 @@ class EngineConfig:
     weights_cache_dir: str | None = None  # keep GGUF conversions here (orbax) for fast restarts
     max_logprobs: int = 20  # most top logprobs a request may ask for
     precompile: bool = True  # compile every bucket at start-up
+    background_compile: bool = False  # with precompile: compile the smallest and largest buckets at start-up and the rest on a background thread (steps pad to a compiled bucket meanwhile); make serve turns it on
     tensor_parallel_size: int = 1  # devices one model is split over (the mesh's "model" axis)
     data_parallel_size: int = 1  # replicas, each on its own tensor_parallel_size devices ("data")
     coordinator_address: str | None = None  # multi-host (jax.distributed): HOST:PORT of process 0's coordinator
@@ -93,7 +94,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.seed must be an integer, got {self.seed!r}")
         if self.scan_layers is not None and not isinstance(self.scan_layers, bool):
             raise ValueError(f"EngineConfig.scan_layers must be a boolean or None, got {self.scan_layers!r}")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "interpret", "precompile"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "interpret", "precompile",
+                     "background_compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} must be a boolean, got {getattr(self, name)!r}")
         for name in ("token_buckets", "seq_buckets"):

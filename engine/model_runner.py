@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import logging
 import os
+import threading
 import time
 
 import jax
@@ -58,7 +60,8 @@ def num_backend_compilations() -> int:
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, params, shapes: RunnerShapes, *, dtype: str,
                  attention_backend: str, interpret: bool = False, scan_layers: bool = False,
-                 precompile: bool = True, progress: bool = True, placement: Placement | None = None):
+                 precompile: bool = True, progress: bool = True, placement: Placement | None = None,
+                 background_compile: bool = False):
         self.model_config = model_config
         self.scan_layers = scan_layers
         self.shapes = shapes
@@ -96,7 +99,10 @@ class ModelRunner:
         # A profiler (experiments/profile_step.py) sets this to get each step's phases timed;
         # then the host waits for the transfer and the compute separately (None: no waiting).
         self.profile = None
-        if precompile:
+        self._compile_thread: threading.Thread | None = None
+        if precompile and background_compile:
+            self.compile_in_background(progress=progress)
+        elif precompile:
             self.compile_all(progress=progress)
 
     @property
@@ -113,11 +119,12 @@ class ModelRunner:
         arrays = (*self.kv_cache, self.table.state.output_counts)
         return not any(a.is_deleted() for a in arrays)
 
-    def compile_all(self, progress: bool = True, workers: int | None = None) -> None:
+    def compile_all(self, progress: bool = True, workers: int | None = None,
+                    buckets: list[Bucket] | None = None) -> None:
         """Compiles every bucket not compiled yet. Lowering (Python tracing) runs here, one bucket
         after another; XLA's compilations, which release the GIL, run on `workers` threads (the
         CPU count by default): on a 2-core CPU start-up compiles in about half the time."""
-        todo = [b for b in self.shapes.buckets() if b not in self._compiled]
+        todo = [b for b in (buckets or self.shapes.buckets()) if b not in self._compiled]
         if not todo:
             return
         workers = max(1, min(len(todo), workers or os.cpu_count() or 1))
@@ -130,6 +137,42 @@ class ModelRunner:
                 self._token_mask(futures[future], None)  # the bucket's resident idle mask
                 bar.update()
         bar.close()
+
+    def compile_in_background(self, progress: bool = True) -> None:
+        """Compiles the smallest and the largest bucket now, the others on a background thread
+        (smallest first). Until a bucket is compiled, its steps run in the smallest compiled
+        bucket that fits them (padded further, never recompiled): the engine serves every shape
+        from the start, and reaches its steady-state step times once `all_compiled`."""
+        buckets = self.shapes.buckets()
+        self._abstract_state  # noqa: B018 (taken now, on this thread)
+        self.compile_all(progress=progress, buckets=[buckets[0], buckets[-1]])
+        rest = [b for b in buckets if b not in self._compiled]
+
+        def work():
+            start = time.perf_counter()
+            for bucket in rest:
+                try:
+                    executable = self._lower(bucket).compile()
+                except Exception:  # the bucket stays unused; larger ones keep serving its steps
+                    logging.exception("jaxserve: compiling bucket %s in the background failed", bucket)
+                    continue
+                self._token_mask(bucket, None)
+                self._compiled[bucket] = executable  # published last: a step sees it whole
+            logging.info("jaxserve: %d of %d buckets compiled, the last %d in the background in %.1f s",
+                         len(self._compiled), len(buckets), len(rest), time.perf_counter() - start)
+
+        self._compile_thread = threading.Thread(target=work, name="compile-buckets", daemon=True)
+        self._compile_thread.start()
+
+    @property
+    def all_compiled(self) -> bool:
+        return len(self._compiled) == len(self.shapes.buckets())
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Blocks until the background compilation (if any) is done; True when every bucket is."""
+        if self._compile_thread is not None:
+            self._compile_thread.join(timeout)
+        return self.all_compiled
 
     def _layout(self, bucket: Bucket) -> StepLayout:
         return self.builder.layout(bucket.padded_tokens, bucket.padded_seqs, bucket.padded_logits)
@@ -147,7 +190,14 @@ class ModelRunner:
         step = jax.jit(functools.partial(self._step, layout=layout), donate_argnums=(1, 2))
         flat = jax.ShapeDtypeStruct((layout.size,), np.int32, sharding=self._input_sharding)
         mask = jax.ShapeDtypeStruct(layout.mask.shape, np.int32, sharding=self._input_sharding)
-        return step.lower(self.params, self.kv_cache, self.table.state, flat, mask)
+        return step.lower(*self._abstract_state, flat, mask)
+
+    @functools.cached_property
+    def _abstract_state(self):
+        """(params, cache, table) as shapes and shardings, taken once before the first step: a
+        background compilation must not touch the live cache, which each step donates."""
+        spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
+        return jax.tree.map(spec, (self.params, self.kv_cache, self.table.state))
 
     def _token_mask(self, bucket: Bucket, built) -> jax.Array:
         """The step's token_mask argument: sent when a row is constrained; otherwise a resident
@@ -167,7 +217,8 @@ class ModelRunner:
         if out.is_empty:
             return StepResult([], [])
         num_logits = sum(sr.num_logits for sr in out.scheduled)
-        bucket = self.shapes.bucket_for(out.num_batched_tokens, len(out.scheduled), num_logits)
+        ready = None if self._compile_thread is None or self.all_compiled else self._compiled.__contains__
+        bucket = self.shapes.bucket_for(out.num_batched_tokens, len(out.scheduled), num_logits, ready=ready)
         built = self.builder.build(out, self._layout(bucket), self.table)
         executable = self._executable(bucket)
         if prof is not None:

@@ -60,3 +60,29 @@ def test_second_start_reuses_the_persistent_compilation_cache(tmp_path):
     first, second = (int(r.stdout.split("HITS")[-1]) for r in runs)
     assert os.listdir(cache)
     assert first == 0 and second >= 2  # both step buckets came from the cache
+
+
+def test_background_compile_serves_at_once_in_compiled_buckets_then_compiles_the_rest(tiny_engine):
+    """background_compile: the smallest and largest buckets compile at start-up; until another
+    bucket is ready its steps pad into the next compiled one, and the tokens are the same."""
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+    from tests.engine.conftest import TINY_KNOBS, run_to_completion
+
+    shapes = tiny_engine.runner.shapes
+    first, *middle, last = shapes.buckets()
+    ready = {first, last}.__contains__
+    assert shapes.bucket_for(1, 1, ready=ready) == first
+    assert shapes.bucket_for(2, 2, ready=ready) == last  # 4 and 16 not ready: padded to 64
+    assert shapes.bucket_for(2, 2, ready=lambda b: b != middle[0]) == middle[1]
+
+    engine = LLMEngine(EngineConfig(**TINY_KNOBS, background_compile=True), progress=False)
+    assert {first, last} <= set(engine.runner._compiled)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    requests = [(f"bg{i}", f"prompt {i} " * (i + 1), greedy) for i in range(6)]
+    got = run_to_completion(engine, requests)  # while the other buckets may still compile
+    assert engine.runner.wait_compiled(timeout=300)
+    assert set(engine.runner._compiled) == set(shapes.buckets())
+    want = run_to_completion(tiny_engine, requests)
+    assert {k: v.outputs[0].token_ids for k, v in got.items()} == {k: v.outputs[0].token_ids for k, v in want.items()}
