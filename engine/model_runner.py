@@ -196,7 +196,10 @@ class ModelRunner:
     def _abstract_state(self):
         """(params, cache, table) as shapes and shardings, taken once before the first step: a
         background compilation must not touch the live cache, which each step donates."""
-        spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
+        # One device: no sharding, as lowering the uncommitted arrays themselves would (a committed
+        # result would make jitted helpers over the table, e.g. _fill_history, compile again).
+        placed = self.placement is not None
+        spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if placed else None)  # noqa: E731
         return jax.tree.map(spec, (self.params, self.kv_cache, self.table.state))
 
     def _token_mask(self, bucket: Bucket, built) -> jax.Array:
