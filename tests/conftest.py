@@ -15,6 +15,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # the tests compare numerics between executables compiled alike. TEST_XLA_FLAGS is what
 # tests/engine/multihost_worker.py uses too.
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=1 --xla_cpu_use_fusion_emitters=false"
+# Tests that assert on compiled HLO (in-place cache writes) compile with the production compiler
+# (`lowered.compile(compiler_options=PRODUCTION_COMPILER)`): without fusion emitters XLA:CPU
+# expands a scatter into a loop of dynamic-update-slices, another program than users get.
+PRODUCTION_COMPILER = {"xla_backend_optimization_level": 2, "xla_cpu_use_fusion_emitters": True}
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=4 {TEST_XLA_FLAGS}")
 os.environ.setdefault("JAXSERVE_COMPILATION_CACHE", str(ROOT / ".cache" / "jax"))
 

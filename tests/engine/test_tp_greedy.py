@@ -3,8 +3,9 @@ TP = 2 and TP = 4 equal the dense no-cache forward on one device (teacher forcin
 test_greedy_equivalence checks TP = 1) up to the first near-tie (the dense top-2 margin < 0.02),
 and the first token's logprob agrees within 1e-4, batched with chunked prefill (32-token budget,
 prompts longer than that), with prefix caching (a shared system prompt, a second wave that hits
-it) and under preemption (a KV pool too small for the batch), all in one run per engine. One
-load, two engines; nothing recompiles after warm-up."""
+it) and under preemption (a KV pool too small for the batch), all in one run per engine; the same
+for DP = 2 x TP = 2 (a DPEngine over the 4 devices). One load, three engines; nothing recompiles
+after warm-up."""
 
 import jax
 import jax.numpy as jnp
@@ -36,10 +37,14 @@ def loaded():
 
 @pytest.fixture(scope="module")
 def engines(loaded):
+    from engine.dp_engine import DPEngine
     from engine.llm_engine import LLMEngine
 
-    return {tp: LLMEngine(EngineConfig(**KNOBS, tensor_parallel_size=tp), progress=False, loaded=loaded)
-            for tp in (2, 4)}
+    out = {tp: LLMEngine(EngineConfig(**KNOBS, tensor_parallel_size=tp), progress=False, loaded=loaded)
+           for tp in (2, 4)}
+    out["dp2xtp2"] = DPEngine(EngineConfig(**KNOBS, tensor_parallel_size=2, data_parallel_size=2),
+                              progress=False, loaded=loaded)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +108,7 @@ def outputs(engines, prompts):
     return outs
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2, 4, "dp2xtp2"])
 def test_batched_chunked_prefix_cached_preempted_equal_the_dense_forward(prompts, outputs, dense_logprobs, tp):
     _assert_dense(prompts, outputs[tp], dense_logprobs)
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import write_kv
+from tests.conftest import PRODUCTION_COMPILER
 
 NUM_BLOCKS, BLOCK_SIZE, HKV, D = 6, 4, 2, 8
 NUM_LAYERS = 3
@@ -67,7 +68,7 @@ def test_write_kv_is_in_place_under_donation():
     k = jnp.ones((3, HKV, D), jnp.float32)
     slots = jnp.array([1, 2, -1], jnp.int32)
     fn = jax.jit(write_kv, donate_argnums=(0, 1))
-    compiled = fn.lower(k_pages, v_pages, k, k, slots).compile()
+    compiled = fn.lower(k_pages, v_pages, k, k, slots).compile(compiler_options=PRODUCTION_COMPILER)
     hlo = compiled.as_text()
     assert "input_output_alias" in hlo
     cache_shape = f"f32[{NUM_BLOCKS},{BLOCK_SIZE},{HKV},{D}]"
@@ -142,7 +143,7 @@ def test_write_kv_stacked_static_layer_is_in_place_under_donation():
     k = jnp.ones((3, HKV, D), jnp.float32)
     slots = jnp.array([1, 2, -1], jnp.int32)
     fn = jax.jit(lambda kc, vc, k, v, s: write_kv(kc, vc, k, v, s, layer=1), donate_argnums=(0, 1))
-    compiled = fn.lower(k_cache, v_cache, k, k, slots).compile()
+    compiled = fn.lower(k_cache, v_cache, k, k, slots).compile(compiler_options=PRODUCTION_COMPILER)
     hlo = _assert_no_cache_copy(compiled, k_cache.shape)
     assert hlo.count(" scatter(") == 2, "expected exactly one scatter per cache array"
     ptrs = (k_cache.unsafe_buffer_pointer(), v_cache.unsafe_buffer_pointer())
@@ -172,7 +173,7 @@ def test_write_kv_traced_layer_in_scan_is_in_place():
             want_k[layer], want_v[layer], np.asarray(k[layer]), 2 * np.asarray(k[layer]), [1, 2, -1]
         )
     fn = jax.jit(step, donate_argnums=(0, 1))
-    compiled = fn.lower(k_cache, v_cache, k, slots).compile()
+    compiled = fn.lower(k_cache, v_cache, k, slots).compile(compiler_options=PRODUCTION_COMPILER)
     hlo = _assert_no_cache_copy(compiled, k_cache.shape)
     assert "while" in hlo
     ptrs = (k_cache.unsafe_buffer_pointer(), v_cache.unsafe_buffer_pointer())

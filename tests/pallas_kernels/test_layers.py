@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import ragged_paged_attention, write_kv
+from tests.conftest import PRODUCTION_COMPILER
 from tests.pallas_kernels.cases import (
     BATCH_KEYS,
     Case,
@@ -163,7 +164,7 @@ def test_xla_layer_call_under_scan_reads_the_cache_in_place():
         total, _ = jax.lax.scan(body, jnp.float32(0), (jnp.arange(BIG["num_layers"]), q))
         return total
 
-    compiled = jax.jit(step).lower(arrays, q, k_cache, k_cache + 1).compile()
+    compiled = jax.jit(step).lower(arrays, q, k_cache, k_cache + 1).compile(compiler_options=PRODUCTION_COMPILER)
     hlo = compiled.as_text()
     assert "while" in hlo, "expected the layer scan to stay a loop"
     temp = compiled.memory_analysis().temp_size_in_bytes
@@ -210,7 +211,7 @@ def test_xla_write_and_attend_per_layer_is_in_place(scan):
 
     fn = jax.jit(step, donate_argnums=(3, 4))
     v_cache = k_cache + 1
-    compiled = fn.lower(arrays, q, k_new, k_cache, v_cache).compile()
+    compiled = fn.lower(arrays, q, k_new, k_cache, v_cache).compile(compiler_options=PRODUCTION_COMPILER)
     hlo = compiled.as_text()
     assert "input_output_alias" in hlo
     assert ("while" in hlo) if scan else (hlo.count(" scatter(") >= 2 * BIG["num_layers"])
