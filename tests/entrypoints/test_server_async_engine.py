@@ -115,8 +115,9 @@ def test_queue_full_counts_waiting_and_pending():
             # Long enough that no running request finishes (and a waiting one joins) while the
             # loop below polls on a loaded machine; they are aborted at the end.
             await async_engine.add_request(stream, f"q{i}", [1, 2], SamplingParams(max_tokens=10_000))
-        for _ in range(100):
-            if async_engine.stats().num_running == 4:
+        for _ in range(300):  # the step thread takes the adds in over a few steps
+            stats = async_engine.stats()
+            if stats.num_running == 4 and stats.num_waiting == 2:
                 break
             await asyncio.sleep(0.01)
         assert async_engine.stats().num_waiting == 2 and async_engine.queue_is_full(1)
