@@ -3,7 +3,9 @@
 1. At start-up every bucket (padded tokens T, sequences S, logit rows L; engine/buckets.py) is
    lowered against abstract shapes and compiled ahead of time, with a progress bar; the
    persistent compilation cache makes a restart fast. A step whose shape falls outside the
-   buckets is an error, never a recompile.
+   buckets is an error, never a recompile. With background_compile only the smallest and the
+   largest bucket compile before serving; the rest compile on a thread, and meanwhile a step runs
+   in the smallest compiled bucket that fits it (`compile_in_background`).
 2. `execute(scheduler_output)` first updates the request table (engine/request_table.py: the
    requests that left are dropped, the ones that joined get a slot), then fills the bucket's flat
    input buffer (BatchBuilder; every StepInputs field is a view into it), moves it to the device
