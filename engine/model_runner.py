@@ -168,7 +168,7 @@ class ModelRunner:
 
     @property
     def all_compiled(self) -> bool:
-        return len(self._compiled) == len(self.shapes.buckets())
+        return len(self._compiled) == len(self.shapes.token_buckets)  # one bucket per token count
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Blocks until the background compilation (if any) is done; True when every bucket is."""
