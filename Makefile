@@ -25,8 +25,9 @@ setup: $(STAMP)
 # One pytest worker per core (pytest-xdist); a module's tests stay on one worker so its
 # module-scoped engines and servers are built once. TEST_WORKERS=0 runs in this process.
 TEST_WORKERS ?= auto
+PYTEST_ARGS ?=
 test: setup
-	JAX_PLATFORMS=cpu $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadscope --durations=40
+	JAX_PLATFORMS=cpu $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadscope --durations=40 $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .
