@@ -33,7 +33,10 @@ def test_completions_stream_timing_tokens_and_concurrency_cap(fake_server):
         assert r.generated_text == " t0 t1 t2 t3 t4"
         assert r.prompt_len == 3  # from usage.prompt_tokens
         assert 0.05 <= r.ttft_s < 0.5
-        assert all(0.015 <= gap < 0.5 for gap in r.itls_s)
+        # A descheduled client can read two chunks at once (a gap near 0), so single gaps are only
+        # bounded above; the stream as a whole took at least the server's sleeps.
+        assert all(0 <= gap < 0.5 for gap in r.itls_s)
+        assert r.ttft_s + sum(r.itls_s) >= 0.05 + 4 * 0.02 - 1e-3
     payload = fake_server.payloads[0]
     assert payload["stream"] is True and payload["stream_options"] == {"include_usage": True}
     assert payload["max_tokens"] == 5 and payload["prompt"] == "a b c"
