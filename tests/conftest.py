@@ -37,11 +37,15 @@ SHARED_ENGINE_MODULES = frozenset(f"tests/engine/{name}.py" for name in (
     "test_engine_behaviour", "test_greedy_equivalence", "test_prompt_logprobs", "test_runner_shapes",
     "test_structured_output", "test_spec_decode_tiny", "test_spec_decode_draft", "test_request_table",
     "test_pallas_engine"))
+# Modules that share the session-scoped real server on the default model
+# (tests/entrypoints/conftest.py): one work unit, so it starts once.
+REAL_SERVER_MODULES = frozenset(f"tests/entrypoints/{name}.py" for name in ("test_server_real", "test_server_structured"))
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """--dist loadscope (a module per work unit), with SHARED_ENGINE_MODULES as one unit."""
+    """--dist loadscope (a module per work unit), with SHARED_ENGINE_MODULES as one unit and
+    REAL_SERVER_MODULES as another."""
     if config.getvalue("dist") != "loadscope":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -49,6 +53,10 @@ def pytest_xdist_make_scheduler(config, log):
     class SharedEngineScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0]
-            return "shared-engines" if module in SHARED_ENGINE_MODULES else nodeid.rsplit("::", 1)[0]
+            if module in SHARED_ENGINE_MODULES:
+                return "shared-engines"
+            if module in REAL_SERVER_MODULES:
+                return "real-server"
+            return nodeid.rsplit("::", 1)[0]
 
     return SharedEngineScheduling(config, log)
