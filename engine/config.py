@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from engine.disaggregation_config import DisaggregationConfig
 from engine.spec_decode.config import SpeculativeConfig
 from scheduler.config import KV_ALLOCATIONS, POLICIES
 
@@ -54,6 +55,7 @@ class EngineConfig:
     num_processes: int = 1  # multi-host: processes in the mesh (one per host)
     process_id: int = 0  # multi-host: this process (0 schedules and serves; the others follow)
     speculative_config: SpeculativeConfig | dict | None = None  # speculative decoding, vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 3} (keys: engine/spec_decode/config.py; a JSON object as a flag); None: off
+    disaggregation: DisaggregationConfig | str | dict | None = None  # prefill/decode disaggregation over two device pools, e.g. "prefill:2,decode:2" (keys: engine/disaggregation_config.py); None: colocated
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -113,6 +115,7 @@ class EngineConfig:
         if spec is not None and spec.num_speculative_tokens >= self.max_num_batched_tokens:
             raise ValueError(f"speculative_config.num_speculative_tokens ({spec.num_speculative_tokens}) "
                              f"must be below max_num_batched_tokens ({self.max_num_batched_tokens})")
+        self._check_disaggregation()
         if self.token_buckets is not None and self.token_buckets[-1] < self.max_num_batched_tokens:
             raise ValueError(
                 "EngineConfig.token_buckets: the largest bucket "
@@ -123,6 +126,25 @@ class EngineConfig:
                 f"EngineConfig.seq_buckets: the largest bucket ({self.seq_buckets[-1]}) "
                 f"must cover max_num_seqs ({self.max_num_seqs})"
             )
+
+    def _check_disaggregation(self) -> None:
+        object.__setattr__(self, "disaggregation", DisaggregationConfig.from_value(self.disaggregation))
+        pd = self.disaggregation
+        if pd is None:
+            return
+        if self.data_parallel_size != 1 or self.num_processes != 1:
+            raise ValueError("EngineConfig.disaggregation runs one prefill and one decode pool in one process: "
+                             "data_parallel_size and num_processes must be 1")
+        if self.tensor_parallel_size not in (1, pd.prefill):
+            raise ValueError(f"EngineConfig.tensor_parallel_size={self.tensor_parallel_size}: with "
+                             f"disaggregation each pool's tensor-parallel size is its device count ({pd.prefill})")
+        if self.speculative_config is not None:
+            raise ValueError("EngineConfig.disaggregation does not support speculative_config yet")
+        if not self.enable_prefix_caching:
+            raise ValueError("EngineConfig.disaggregation needs enable_prefix_caching=True: the decode pool "
+                             "admits the moved KV blocks as prefix-cache hits")
+        if self.policy == "static" or self.kv_allocation != "paged":
+            raise ValueError("EngineConfig.disaggregation needs policy fcfs or priority and kv_allocation paged")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:

@@ -38,7 +38,8 @@ _SUMMED = ("num_running", "num_waiting", "prefix_cache_queries", "prefix_cache_h
 
 
 def make_engine(config: EngineConfig, *, progress: bool = True):
-    """An LLMEngine, or a DPEngine when data_parallel_size > 1. Multi-host (num_processes > 1):
+    """An LLMEngine, a DPEngine when data_parallel_size > 1, or a PDEngine (engine/pd_engine.py)
+    with disaggregation. Multi-host (num_processes > 1):
     every process joins the mesh and builds the same engine; process 0 gets it back (its steps
     are published to the others), any other process follows process 0's steps here and exits
     when the leader stops (engine/multihost.py)."""
@@ -46,6 +47,10 @@ def make_engine(config: EngineConfig, *, progress: bool = True):
         from engine import multihost
 
         return multihost.engine_for_process(config, progress=progress)
+    if config.disaggregation is not None:
+        from engine.pd_engine import PDEngine
+
+        return PDEngine(config, progress=progress)
     if config.data_parallel_size > 1:
         return DPEngine(config, progress=progress)
     return LLMEngine(config, progress=progress)

@@ -37,3 +37,6 @@ class EngineStats:
     kv_cache_bytes_per_device: tuple[int, ...] = ()  # the KV cache's shards on each device
     replicas: tuple = ()  # data parallelism (engine/dp_engine.py): each replica's own EngineStats
     router: object = None  # data parallelism: engine/router.RouterStats
+    pool_names: tuple[str, ...] = ()  # disaggregation (engine/pd_engine.py): `replicas` are these pools
+    kv_transfer: object = None  # disaggregation: engine/kv_transfer.TransferStats
+    num_pending_transfers: int = 0  # disaggregation: moved requests the decode pool has not admitted yet

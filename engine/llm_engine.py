@@ -36,7 +36,7 @@ from engine.logit_controls import build_logit_controls
 from engine.model_runner import num_backend_compilations
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.placement import device_bytes
-from engine.request_state import RequestState, SequenceState
+from engine.request_state import Resume, RequestState, SequenceState
 from engine.request_table import RowParams
 from engine.sampling_params import ParamError, SamplingParams
 from engine.spec_decode.base import make_spec_decoder
@@ -161,11 +161,15 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None, *, add_special_tokens: bool = True,
                     priority: int = 0, prompt_text: str | None = None,
-                    group_id: str | None = None, grammar=None) -> None:
+                    group_id: str | None = None, grammar=None, base_seed: int | None = None,
+                    resume: Resume | None = None) -> None:
         """Queues a request. `group_id` ties the prompts of one client request together for the
         fairness cap (EngineConfig.max_request_share); by default the request is its own group.
         `grammar`: params.structured_outputs already compiled (compile_grammar, on another
-        thread); without it a constrained request is compiled here (the LRU makes a repeat free)."""
+        thread); without it a constrained request is compiled here (the LRU makes a repeat free).
+        `base_seed`: the sampling seed of an unseeded request (default: the engine's counter).
+        `resume`: the prompt ran elsewhere (the prefill pool, engine/pd_engine.py): each sequence
+        starts with its first token, and the prompt's KV is expected in the prefix cache."""
         self._check_alive()
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -196,8 +200,9 @@ class LLMEngine:
                              prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
         eos_ids = set() if params.ignore_eos else set(self.tokenizer.eos_token_ids)
         stop_ids = tuple(sorted(set(params.stop_token_ids) | eos_ids))
-        base_seed = params.seed if params.seed is not None else (
-            self.config.seed * 1_000_003 + next(self._seed_counter))
+        if base_seed is None:
+            base_seed = params.seed if params.seed is not None else (
+                self.config.seed * 1_000_003 + next(self._seed_counter))
         for i in range(params.n):
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
             seed = zlib.crc32(f"{base_seed}/{i}".encode())
@@ -212,12 +217,18 @@ class LLMEngine:
                                 else self.tokenizer.eos_token_id, stop_token_ids=stop_ids,
                                 ignore_eos=params.ignore_eos, priority=priority, arrival_time=arrival,
                                 sampling=row, group_id=group_id or request_id,
-                                prompt_logprobs=params.prompt_logprobs is not None and i == 0)
+                                prompt_logprobs=params.prompt_logprobs is not None and i == 0 and not resume)
             seq = SequenceState(seq_id, i, state, sched_req, row, self.tokenizer)
             state.seqs.append(seq)
+        if resume is not None:
+            state.prompt_logprobs = resume.prompt_logprobs
+            for seq, first in zip(state.seqs, resume.first, strict=True):
+                if seq.resume_from(first, resume.first_token_time) is None:
+                    self._advance_mask_state(seq, first.token_ids[:1], {})
         for seq in state.seqs:  # validated as a whole before any of it reaches the scheduler
-            self.scheduler.add_request(seq.request)
-            self._seqs[seq.seq_id] = seq
+            if seq.finish_reason is None:
+                self.scheduler.add_request(seq.request)
+                self._seqs[seq.seq_id] = seq
         self._requests[request_id] = state
         self._num_prompt_tokens += len(ids)
         self._num_constrained_requests += grammar is not None

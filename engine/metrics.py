@@ -77,15 +77,16 @@ class _EngineCollector:
         if stats is None:
             return
         replicas = getattr(stats, "replicas", ())
+        label, names = _replica_labels(stats)
         for field, name, kind, help_text in _ENGINE_METRICS:
             value = getattr(stats, field, None)
             if value is None:
                 continue
             family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
-            if replicas:  # data parallelism: one series per replica (engine/dp_engine.py)
-                labelled = family(PREFIX + name, help_text, labels=["replica"])
-                for i, replica in enumerate(replicas):
-                    labelled.add_metric([str(i)], getattr(replica, field))
+            if replicas:  # one series per replica (engine/dp_engine.py) or pool (engine/pd_engine.py)
+                labelled = family(PREFIX + name, help_text, labels=[label])
+                for replica_name, replica in zip(names, replicas):
+                    labelled.add_metric([replica_name], getattr(replica, field))
                 yield labelled
             else:
                 yield family(PREFIX + name, help_text, value=value)
@@ -98,19 +99,49 @@ class _EngineCollector:
         spec = getattr(stats, "spec_decode", None)
         if spec is not None:
             yield from _spec_decode_families(spec)
+        transfer = getattr(stats, "kv_transfer", None)
+        if transfer is not None:
+            yield from _transfer_families(transfer, stats.num_pending_transfers)
+
+
+def _replica_labels(stats) -> tuple[str, list[str]]:
+    """("replica", ["0", "1", ...]) under data parallelism; ("pool", ["prefill", "decode"]) under
+    disaggregation."""
+    pools = getattr(stats, "pool_names", ())
+    if pools:
+        return "pool", list(pools)
+    return "replica", [str(i) for i in range(len(getattr(stats, "replicas", ())))]
+
+
+def _transfer_families(transfer, num_pending: int):
+    """Prefill/decode disaggregation (engine/kv_transfer.TransferStats)."""
+    for field, name, help_text in (
+            ("num_transfers", "kv_transfers", "Requests whose KV blocks moved from the prefill to the decode pool."),
+            ("num_blocks", "kv_transfer_blocks", "KV blocks moved to the decode pool."),
+            ("num_bytes", "kv_transfer_bytes", "Bytes of KV blocks moved to the decode pool."),
+            ("seconds", "kv_transfer_seconds", "Seconds from dispatch to landing, summed over landed transfers."),
+            ("num_fallbacks", "kv_transfer_fallbacks",
+             "Handovers whose blocks did not fit the decode pool (it recomputed the prompt).")):
+        yield CounterMetricFamily(PREFIX + name, help_text, value=getattr(transfer, field))
+    yield GaugeMetricFamily(PREFIX + "kv_transfer_gb_per_s", "Landed transfer bytes / their seconds, since start.",
+                            value=transfer.gb_per_s)
+    yield GaugeMetricFamily(PREFIX + "kv_transfer_queue_depth", "Moved requests the decode pool has not admitted "
+                            "yet (their blocks pinned there).", value=num_pending)
 
 
 def _device_families(stats):
     """Weight and KV-cache bytes per device (labelled by device index within the engine's group,
     and by replica under data parallelism), and the router's counts."""
     replicas = getattr(stats, "replicas", ()) or (stats,)
+    label, names = _replica_labels(stats)
+    names = names or ["0"]
     for field, name, help_text in (
             ("weight_bytes_per_device", "weight_bytes", "Bytes of weight shards held by each device."),
             ("kv_cache_bytes_per_device", "kv_cache_bytes", "Bytes of KV-cache shards held by each device.")):
-        family = GaugeMetricFamily(PREFIX + name, help_text, labels=["replica", "device"])
-        for r, replica in enumerate(replicas):
+        family = GaugeMetricFamily(PREFIX + name, help_text, labels=[label, "device"])
+        for replica_name, replica in zip(names, replicas):
             for d, value in enumerate(getattr(replica, field, ()) or ()):
-                family.add_metric([str(r), str(d)], value)
+                family.add_metric([replica_name, str(d)], value)
         if family.samples:
             yield family
     router = getattr(stats, "router", None)

@@ -11,7 +11,19 @@ import dataclasses
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.request_table import RowParams
 from engine.sampling_params import SamplingParams
+from scheduler.outputs import TokenLogprobs
 from text.detokenizer import IncrementalDetokenizer
+
+
+@dataclasses.dataclass
+class Resume:
+    """A request whose prompt ran in another engine (the prefill pool of engine/pd_engine.py):
+    each sequence's output there (its first token, logprobs, and finish if it already ended), in
+    sequence order, when that token came, and the prompt's logprobs if they were asked for."""
+
+    first: list[CompletionOutput]
+    first_token_time: float
+    prompt_logprobs: list | None = None
 
 
 @dataclasses.dataclass
@@ -117,6 +129,25 @@ class SequenceState:
             return True
         self.visible_text = self.text[: len(self.text) - self._held_back()]
         return False
+
+    def resume_from(self, first: CompletionOutput, when: float) -> str | None:
+        """Starts this sequence with the first token another engine sampled for it (Resume):
+        the same detokenizer, stop-string and logprob state as if it had been sampled here.
+        Returns the finish reason when the sequence already ended there (it is not scheduled)."""
+        token = first.token_ids[0]
+        self.request.output_token_ids.append(token)
+        logprobs = None
+        if first.logprobs:
+            entry = first.logprobs[0]
+            top = sorted((t for t in entry if t != token), key=entry.get, reverse=True)
+            if token in entry and len(entry) <= (self.num_logprobs or 0):
+                top = sorted(entry, key=entry.get, reverse=True)  # the token was among the top k
+            logprobs = [TokenLogprobs(entry[token], top, [entry[t] for t in top])]
+        self.append([token], logprobs, when)
+        if first.finish_reason is not None:
+            self.finish(first.finish_reason, when)
+            self.stop_reason = first.stop_reason
+        return self.finish_reason
 
     def finish(self, reason: str, now: float) -> None:
         if self.finish_reason is not None:

@@ -2,7 +2,8 @@
 
 Invariants:
 - A block table is append-only while its request holds it; `free` drops it whole.
-- Each block's ref count equals the number of live block tables that hold it.
+- Each block's ref count equals the number of live block tables that hold it, plus one per pin
+  (`import_blocks`, until `release`).
 - A request's table covers at least its computed tokens plus those scheduled this step.
 - Prefix hits only cover full blocks inside the first `num_tokens - 1` tokens: the last known token
   is always computed (its logits give the next token), and a request never writes a shared block.
@@ -122,6 +123,39 @@ class KVCacheManager:
         for i in range(start, end):
             register(table[i], hashes[i])
         self._num_registered[req_id] = end
+
+    def import_blocks(self, block_hashes: list[int]) -> tuple[list[int], list[tuple[int, int]]] | None:
+        """Blocks for KV computed elsewhere (prefill/decode disaggregation), keyed by the chained
+        hashes of a prompt's full blocks (block_pool.hash_block_tokens, as `update_block_hashes`
+        makes them): a hash already cached keeps its block, every other one gets a new block
+        registered under it, so the request that follows finds them all as prefix hits.
+
+        Returns (pinned, to_write): every block of the prefix, pinned (one reference each, until
+        `release`) so that no allocation evicts them before their request is admitted; and the
+        (position, block id) pairs whose contents the caller must write before the next step.
+        None, changing nothing, when the pool cannot hold them."""
+        if not self.enable_prefix_caching:
+            raise ValueError("import_blocks needs prefix caching: imported blocks are found as prefix hits")
+        pool = self.pool
+        found = [pool.lookup(h) for h in block_hashes]
+        num_misses = found.count(None)
+        num_hits_cached = sum(1 for b in found if b is not None and pool.ref_cnt[b] == 0)
+        if num_misses > pool.num_available_blocks - num_hits_cached:
+            return None
+        pool.touch([b for b in found if b is not None])
+        new_ids = iter(pool.allocate(num_misses) if num_misses else [])
+        pinned, to_write = [], []
+        for i, (block_hash, block_id) in enumerate(zip(block_hashes, found)):
+            if block_id is None:
+                block_id = next(new_ids)
+                pool.register(block_id, block_hash)
+                to_write.append((i, block_id))
+            pinned.append(block_id)
+        return pinned, to_write
+
+    def release(self, block_ids: list[int]) -> None:
+        """Drops the pins `import_blocks` took (the blocks stay cached until evicted)."""
+        self.pool.free(block_ids)
 
     def free(self, request: Request) -> None:
         """Drop the request's table; full registered blocks stay cached until evicted."""

@@ -1,0 +1,286 @@
+"""PDEngine: prefill/decode disaggregation over two device pools, behind LLMEngine's interface.
+
+`EngineConfig(disaggregation="prefill:2,decode:2")`: the first devices form the prefill pool,
+the next ones the decode pool, each a (1, n) mesh with tensor parallelism inside it, its own
+LLMEngine (scheduler, request table, compiled steps, paged KV cache). The model is loaded once
+into host memory; each pool places its own shards. A request's life:
+
+1. `add_request` tokenizes, checks that both pools can hold it, and hands it to the prefill
+   engine asking for one token: its scheduler runs the prompt (chunked, with prefix caching) and
+   samples the first token, which is streamed to the client at once. Backpressure: while
+   `max_pending_transfers` moved requests wait for the decode scheduler, the prefill pool pauses.
+2. When the prefill engine finishes a request, its prompt's full blocks are found in the prefill
+   pool's prefix cache by their hashes (nothing was allocated since, so they are intact), the
+   decode pool's KVCacheManager.import_blocks registers blocks under the same hashes (reusing
+   any it already holds) and pins them, and engine/kv_transfer.py gathers, moves
+   (`jax.device_put` onto the decode mesh's sharding, block counts padded to buckets) and
+   scatters them into the decode cache (donated). All of it is dispatched without waiting.
+3. The decode engine gets the request with `resume` (each sequence starts with its first token,
+   logprobs, stop-string and grammar state, and the same seed): its scheduler admits it as a
+   prefix hit on every full prompt block and computes only the partial last block (fewer than
+   block_size tokens) with the first token. The pins go once it is admitted, so the prefill
+   pool's blocks stay there as its prefix cache.
+
+`step()` steps both engines on two threads (JAX releases the GIL while each runs on its own
+devices, so prefill and decode overlap), then hands finished prefills over. Aborts reach the
+request wherever it is (queued, prefilling, moved and pinned, decoding) and leave no block held.
+A decode-side preemption recomputes there (the moved blocks are likely still its prefix cache).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import itertools
+import time
+
+from engine.config import EngineConfig
+from engine.engine_stats import EngineDeadError, EngineStats
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.request_state import Resume
+from engine.sampling_params import ParamError, SamplingParams
+from scheduler.block_pool import ROOT_BLOCK_HASH, hash_block_tokens
+
+# Summed over the pools in the aggregate EngineStats (prompt and generated tokens are counted
+# where they are made: prompts in the prefill pool, first tokens there, the rest in decode).
+_SUMMED = ("num_running", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
+           "num_generation_tokens", "num_steps", "num_free_blocks", "num_cached_blocks", "num_failed_steps",
+           "num_constrained_requests", "num_grammars_compiled", "grammar_compile_seconds", "mask_fill_seconds",
+           "num_mask_steps")
+POOLS = ("prefill", "decode")
+
+
+@dataclasses.dataclass
+class _Pending:
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float
+    kwargs: dict
+    base_seed: int
+    max_tokens: int  # what the request may still generate in all, capped by max_model_len
+
+
+class PDEngine:
+    def __init__(self, config: EngineConfig, *, progress: bool = True, devices=None, loaded=None):
+        import jax
+
+        from engine.builder import load_for_mesh
+        from engine.kv_transfer import KVTransfer
+        from engine.mesh import replica_meshes
+
+        pd = config.disaggregation
+        devices = list(jax.devices() if devices is None else devices)
+        if pd.num_devices > len(devices):
+            raise ValueError(f"EngineConfig.disaggregation: prefill:{pd.prefill},decode:{pd.decode} needs "
+                             f"{pd.num_devices} devices, but only {len(devices)} are present; on the CPU set "
+                             "XLA_FLAGS=--xla_force_host_platform_device_count=N before jax is imported")
+        pool_config = dataclasses.replace(config, disaggregation=None, tensor_parallel_size=pd.prefill)
+        loaded = loaded or load_for_mesh(pool_config, progress=progress)
+        meshes = [replica_meshes(pd.prefill, 1, devices[: pd.prefill])[0],
+                  replica_meshes(pd.decode, 1, devices[pd.prefill : pd.num_devices])[0]]
+        blocks = (pd.prefill_num_kv_blocks, pd.decode_num_kv_blocks)
+        self.prefill, self.decode = (
+            LLMEngine(dataclasses.replace(pool_config, num_kv_blocks=n or config.num_kv_blocks),
+                      progress=progress, mesh=mesh, loaded=loaded)
+            for mesh, n in zip(meshes, blocks))
+        self.config = config
+        for name in ("tokenizer", "max_model_len", "model_name", "model_config", "dtype",
+                     "attention_backend", "load_seconds"):
+            setattr(self, name, getattr(self.prefill, name))
+        shapes = self.decode.runner.shapes
+        self.transfer = KVTransfer(self.prefill.runner, self.decode.runner, max_blocks=shapes.max_blocks_per_seq)
+        self.compile_seconds = self.prefill.compile_seconds + self.decode.compile_seconds
+        self.block_size = config.block_size
+        self.max_pending = pd.max_pending_transfers
+        self._prefilling: dict[str, _Pending] = {}
+        self._pinned: dict[str, list[int]] = {}  # moved, not yet admitted by the decode scheduler
+        self._decoding: set[str] = set()
+        self._decode_n: dict[str, int] = {}
+        self._seed = config.seed * 1_000_003
+        self._seed_counter = itertools.count()
+        self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="pool")
+
+    # -- what LLMEngine offers -----------------------------------------------------------------
+
+    @property
+    def runner(self):
+        return self.prefill.runner  # sample_vocab_size and the like: the same in both pools
+
+    @property
+    def dead_reason(self) -> str | None:
+        reasons = [f"{name} pool: {e.dead_reason}" for name, e in zip(POOLS, self.engines) if e.dead_reason]
+        return "; ".join(reasons) or None
+
+    @property
+    def engines(self) -> tuple[LLMEngine, LLMEngine]:
+        return self.prefill, self.decode
+
+    @property
+    def grammar_compiler(self):
+        return self.prefill.grammar_compiler
+
+    def compile_grammar(self, structured_outputs):
+        return self.prefill.compile_grammar(structured_outputs)
+
+    def tokenize(self, prompt, add_special_tokens: bool = True) -> list[int]:
+        return self.prefill.tokenize(prompt, add_special_tokens)
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, arrival_time=None,
+                    *, add_special_tokens: bool = True, **kwargs) -> None:
+        """Tokenizes, checks that both pools can hold the prompt, and hands the request to the
+        prefill engine (asking for its first token): its scheduler queues it."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(f"the engine is dead: {self.dead_reason}")
+        if request_id in self._prefilling or request_id in self._decoding:
+            raise ParamError("request_id", f"request_id: {request_id!r} is already running")
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        ids = self.tokenize(prompt, add_special_tokens)
+        need = -(-(len(ids) + 1) // self.block_size)
+        for name, engine in zip(POOLS, self.engines):
+            usable = engine.scheduler.config.num_blocks - 1
+            if need > usable:
+                raise ParamError("prompt", f"prompt: {len(ids)} tokens need {need} KV blocks, but the {name} pool "
+                                 f"holds {usable} (EngineConfig.disaggregation {name}_num_kv_blocks)")
+        kwargs.setdefault("prompt_text", prompt if isinstance(prompt, str) else None)
+        room = self.max_model_len - len(ids)
+        base_seed = params.seed if params.seed is not None else self._seed + next(self._seed_counter)
+        pending = _Pending(ids, params, time.monotonic() if arrival_time is None else arrival_time, kwargs,
+                           base_seed, room if params.max_tokens is None else min(params.max_tokens, room))
+        self.prefill.add_request(request_id, ids, dataclasses.replace(params, max_tokens=1), pending.arrival,
+                                 base_seed=base_seed, **kwargs)
+        self._prefilling[request_id] = pending
+
+    def abort_request(self, request_id: str) -> bool:
+        if self._prefilling.pop(request_id, None) is not None:
+            return self.prefill.abort_request(request_id)
+        if request_id in self._decoding:
+            self._forget(request_id)
+            return self.decode.abort_request(request_id)
+        return False
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._prefilling or self._decoding)
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One step of each pool with work, on two threads; then the handovers. Backpressure: at
+        max_pending_transfers moved requests not yet admitted by the decode scheduler, the
+        prefill pool pauses (its requests wait in its queue) until the decode pool admits some."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(f"the engine is dead: {self.dead_reason}")
+        busy = [e for e in self.engines if e.has_unfinished_requests()
+                and (e is self.decode or len(self._pinned) < self.max_pending)]
+        if len(busy) == 2:
+            prefill_out, decode_out = self._pool.map(lambda e: e.step(), busy)
+        else:
+            prefill_out = self.prefill.step() if self.prefill in busy else []
+            decode_out = self.decode.step() if self.decode in busy else []
+        outputs = [self._after_prefill(out) for out in prefill_out]
+        for out in decode_out:
+            if out.finished:
+                self._forget(out.request_id)
+            outputs.append(out)
+        for request_id in [r for r in self._pinned if self._admitted(r)]:
+            self._unpin(request_id)
+        return outputs
+
+    def _after_prefill(self, out: RequestOutput) -> RequestOutput | None:
+        pending = self._prefilling.get(out.request_id)
+        if pending is None:
+            return out
+        goes_on = pending.max_tokens > 1
+        firsts = [dataclasses.replace(c, finish_reason=None) if goes_on and c.finish_reason == "length" else c
+                  for c in out.outputs]
+        shown = dataclasses.replace(out, outputs=firsts, finished=all(c.finish_reason for c in firsts))
+        if not out.finished:
+            return shown  # n > 1: some samples still prefilling
+        del self._prefilling[out.request_id]
+        if shown.finished:
+            return out  # every sample ended at its first token (a stop, EOS, or max_tokens 1)
+        try:
+            self._hand_over(out.request_id, pending, out, firsts)
+        except Exception as exc:  # this request fails; the pools serve on
+            self.decode.abort_request(out.request_id)
+            self._forget(out.request_id)
+            failed = [dataclasses.replace(c, finish_reason="abort", error=f"KV handover failed: {exc}")
+                      for c in out.outputs]
+            return dataclasses.replace(out, outputs=failed, finished=True)
+        return shown
+
+    def _hand_over(self, request_id: str, pending: _Pending, out: RequestOutput, firsts) -> None:
+        bs, ids = self.block_size, pending.prompt_ids
+        hashes, parent = [], ROOT_BLOCK_HASH
+        for i in range(len(ids) // bs):
+            parent = hash_block_tokens(parent, ids[i * bs : (i + 1) * bs])
+            hashes.append(parent)
+        lookup = self.prefill.scheduler.kv_cache_manager.pool.lookup
+        source = []
+        for h in hashes:  # the leading blocks still in the prefill pool's cache (all, normally)
+            block = lookup(h)
+            if block is None:
+                break
+            source.append(block)
+        imported = self.decode.scheduler.kv_cache_manager.import_blocks(hashes[: len(source)])
+        if imported is None:
+            self.transfer.stats.num_fallbacks += 1  # the decode pool is full: it recomputes the prompt
+        else:
+            pinned, to_write = imported
+            self._pinned[request_id] = pinned
+            self.transfer.move([source[i] for i, _ in to_write], [b for _, b in to_write])
+        first_time = out.metrics.first_token_time or time.monotonic()
+        self.decode.add_request(request_id, ids, pending.params, pending.arrival, base_seed=pending.base_seed,
+                                resume=Resume(firsts, first_time, out.prompt_logprobs), **pending.kwargs)
+        self._decoding.add(request_id)
+        self._decode_n[request_id] = pending.params.n
+
+    def _admitted(self, request_id: str) -> bool:
+        """Every sequence of the request that is still live has been admitted (its table holds
+        the moved blocks now), so the pins may go."""
+        get, n = self.decode.scheduler.get_request, self._decode_n.get(request_id, 1)
+        seqs = [get(request_id)] if n == 1 else [get(f"{request_id}#{i}") for i in range(n)]
+        return all(s is None or s.num_computed_tokens > 0 for s in seqs)
+
+    def _forget(self, request_id: str) -> None:
+        """The request left the decode pool (finished, aborted or failed): no pins, no state."""
+        self._decoding.discard(request_id)
+        self._decode_n.pop(request_id, None)
+        self._unpin(request_id)
+
+    def _unpin(self, request_id: str) -> None:
+        pinned = self._pinned.pop(request_id, None)
+        if pinned:
+            self.decode.scheduler.kv_cache_manager.release(pinned)
+
+    # -- the rest of LLMEngine's interface -------------------------------------------------------
+
+    def reconfigure_scheduler(self, **changes):
+        if self._pinned:
+            raise ValueError("reconfigure_scheduler needs an idle engine: KV transfers are pending")
+        schedulers = [e.reconfigure_scheduler(**changes) for e in self.engines]
+        self.config = dataclasses.replace(self.config, **changes)
+        return schedulers
+
+    def pool_of(self, request_id: str) -> str | None:
+        """Where a request is now: "prefill" (queued or running there), "transfer" (moved, not yet admitted), "decode"."""
+        if request_id in self._prefilling:
+            return "prefill"
+        if request_id in self._pinned:
+            return "transfer"
+        return "decode" if request_id in self._decoding else None
+
+    def get_stats(self) -> EngineStats:
+        per = [e.get_stats() for e in self.engines]
+        total = {name: sum(getattr(s, name) for s in per) for name in _SUMMED}
+        return dataclasses.replace(
+            per[0], **total, num_prompt_tokens=per[0].num_prompt_tokens,
+            num_waiting=per[0].num_waiting + per[1].num_waiting,
+            kv_cache_usage=sum(s.kv_cache_usage for s in per) / 2,
+            padded_token_fraction=sum(s.padded_token_fraction for s in per) / 2,
+            weight_bytes_per_device=tuple(b for s in per for b in s.weight_bytes_per_device),
+            kv_cache_bytes_per_device=tuple(b for s in per for b in s.kv_cache_bytes_per_device),
+            spec_decode=None, replicas=tuple(per), pool_names=POOLS, kv_transfer=self.transfer.snapshot(),
+            num_pending_transfers=len(self._pinned))
