@@ -36,7 +36,7 @@ from engine.logit_controls import build_logit_controls
 from engine.model_runner import num_backend_compilations
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.placement import device_bytes
-from engine.request_state import Resume, RequestState, SequenceState
+from engine.request_state import RequestState, Resume, SequenceState
 from engine.request_table import RowParams
 from engine.sampling_params import ParamError, SamplingParams
 from engine.spec_decode.base import make_spec_decoder

@@ -5,10 +5,10 @@ the next ones the decode pool, each a (1, n) mesh with tensor parallelism inside
 LLMEngine (scheduler, request table, compiled steps, paged KV cache). The model is loaded once
 into host memory; each pool places its own shards. A request's life:
 
-1. `add_request` tokenizes, checks that both pools can hold it, and hands it to the prefill
-   engine asking for one token: its scheduler runs the prompt (chunked, with prefix caching) and
+1. `add_request` tokenizes and hands the request to the prefill engine asking for one token: its scheduler runs the prompt (chunked, with prefix caching) and
    samples the first token, which is streamed to the client at once. Backpressure: while
-   `max_pending_transfers` moved requests wait for the decode scheduler, the prefill pool pauses.
+   `max_pending_transfers` moved requests wait for the decode scheduler, finished prefills wait
+   to move (their blocks cached in the prefill pool) and the prefill pool pauses.
 2. When the prefill engine finishes a request, its prompt's full blocks are found in the prefill
    pool's prefix cache by their hashes (nothing was allocated since, so they are intact), the
    decode pool's KVCacheManager.import_blocks registers blocks under the same hashes (reusing
@@ -29,6 +29,7 @@ A decode-side preemption recomputes there (the moved blocks are likely still its
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import itertools
@@ -80,6 +81,11 @@ class PDEngine:
         meshes = [replica_meshes(pd.prefill, 1, devices[: pd.prefill])[0],
                   replica_meshes(pd.decode, 1, devices[pd.prefill : pd.num_devices])[0]]
         blocks = (pd.prefill_num_kv_blocks, pd.decode_num_kv_blocks)
+        for name, n in zip(POOLS, blocks):
+            if n is not None and config.max_model_len is not None and (n - 1) * config.block_size < config.max_model_len:
+                raise ValueError(f"EngineConfig.disaggregation.{name}_num_kv_blocks={n} holds {n - 1} blocks of "
+                                 f"{config.block_size} tokens, less than one request of max_model_len="
+                                 f"{config.max_model_len}: the {name} pool could never take such a prompt")
         self.prefill, self.decode = (
             LLMEngine(dataclasses.replace(pool_config, num_kv_blocks=n or config.num_kv_blocks),
                       progress=progress, mesh=mesh, loaded=loaded)
@@ -94,6 +100,7 @@ class PDEngine:
         self.block_size = config.block_size
         self.max_pending = pd.max_pending_transfers
         self._prefilling: dict[str, _Pending] = {}
+        self._ready: collections.OrderedDict[str, tuple] = collections.OrderedDict()  # prefilled, queued to move
         self._pinned: dict[str, list[int]] = {}  # moved, not yet admitted by the decode scheduler
         self._decoding: set[str] = set()
         self._decode_n: dict[str, int] = {}
@@ -128,22 +135,17 @@ class PDEngine:
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, arrival_time=None,
                     *, add_special_tokens: bool = True, **kwargs) -> None:
-        """Tokenizes, checks that both pools can hold the prompt, and hands the request to the
-        prefill engine (asking for its first token): its scheduler queues it."""
+        """Tokenizes and hands the request to the prefill engine (asking for its first token):
+        its scheduler queues it. Every prompt that fits max_model_len fits both pools (each
+        pool's cache holds a max_model_len request: SchedulerConfig's check, named at start-up)."""
         if self.dead_reason is not None:
             raise EngineDeadError(f"the engine is dead: {self.dead_reason}")
-        if request_id in self._prefilling or request_id in self._decoding:
+        if request_id in self._prefilling or request_id in self._ready or request_id in self._decoding:
             raise ParamError("request_id", f"request_id: {request_id!r} is already running")
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         ids = self.tokenize(prompt, add_special_tokens)
-        need = -(-(len(ids) + 1) // self.block_size)
-        for name, engine in zip(POOLS, self.engines):
-            usable = engine.scheduler.config.num_blocks - 1
-            if need > usable:
-                raise ParamError("prompt", f"prompt: {len(ids)} tokens need {need} KV blocks, but the {name} pool "
-                                 f"holds {usable} (EngineConfig.disaggregation {name}_num_kv_blocks)")
         kwargs.setdefault("prompt_text", prompt if isinstance(prompt, str) else None)
         room = self.max_model_len - len(ids)
         base_seed = params.seed if params.seed is not None else self._seed + next(self._seed_counter)
@@ -154,6 +156,8 @@ class PDEngine:
         self._prefilling[request_id] = pending
 
     def abort_request(self, request_id: str) -> bool:
+        if self._ready.pop(request_id, None) is not None:
+            return True  # its blocks stay in the prefill pool's cache
         if self._prefilling.pop(request_id, None) is not None:
             return self.prefill.abort_request(request_id)
         if request_id in self._decoding:
@@ -162,7 +166,7 @@ class PDEngine:
         return False
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._prefilling or self._decoding)
+        return bool(self._prefilling or self._ready or self._decoding)
 
     # -- the step -----------------------------------------------------------------------------
 
@@ -172,14 +176,17 @@ class PDEngine:
         prefill pool pauses (its requests wait in its queue) until the decode pool admits some."""
         if self.dead_reason is not None:
             raise EngineDeadError(f"the engine is dead: {self.dead_reason}")
-        busy = [e for e in self.engines if e.has_unfinished_requests()
-                and (e is self.decode or len(self._pinned) < self.max_pending)]
+        failed = []
+        while self._ready and len(self._pinned) < self.max_pending:
+            failed += filter(None, [self._hand_over_or_fail(*self._ready.popitem(last=False)[1])])
+        paused = bool(self._ready) or len(self._pinned) >= self.max_pending
+        busy = [e for e in self.engines if e.has_unfinished_requests() and (e is self.decode or not paused)]
         if len(busy) == 2:
             prefill_out, decode_out = self._pool.map(lambda e: e.step(), busy)
         else:
             prefill_out = self.prefill.step() if self.prefill in busy else []
             decode_out = self.decode.step() if self.decode in busy else []
-        outputs = [self._after_prefill(out) for out in prefill_out]
+        outputs = failed + [self._after_prefill(out) for out in prefill_out]
         for out in decode_out:
             if out.finished:
                 self._forget(out.request_id)
@@ -201,6 +208,15 @@ class PDEngine:
         del self._prefilling[out.request_id]
         if shown.finished:
             return out  # every sample ended at its first token (a stop, EOS, or max_tokens 1)
+        if len(self._pinned) >= self.max_pending:
+            # The transfer queue is full: the request waits, its blocks cached in the prefill pool,
+            # which does not step (so allocates nothing) until the queue has room.
+            self._ready[out.request_id] = (pending, out, firsts)
+            return shown
+        return self._hand_over_or_fail(pending, out, firsts) or shown
+
+    def _hand_over_or_fail(self, pending: _Pending, out: RequestOutput, firsts) -> RequestOutput | None:
+        """None when the request is in the decode pool now; else its failed final output."""
         try:
             self._hand_over(out.request_id, pending, out, firsts)
         except Exception as exc:  # this request fails; the pools serve on
@@ -209,7 +225,7 @@ class PDEngine:
             failed = [dataclasses.replace(c, finish_reason="abort", error=f"KV handover failed: {exc}")
                       for c in out.outputs]
             return dataclasses.replace(out, outputs=failed, finished=True)
-        return shown
+        return None
 
     def _hand_over(self, request_id: str, pending: _Pending, out: RequestOutput, firsts) -> None:
         bs, ids = self.block_size, pending.prompt_ids
@@ -258,17 +274,18 @@ class PDEngine:
     # -- the rest of LLMEngine's interface -------------------------------------------------------
 
     def reconfigure_scheduler(self, **changes):
-        if self._pinned:
+        if self._pinned or self._ready:
             raise ValueError("reconfigure_scheduler needs an idle engine: KV transfers are pending")
         schedulers = [e.reconfigure_scheduler(**changes) for e in self.engines]
         self.config = dataclasses.replace(self.config, **changes)
         return schedulers
 
     def pool_of(self, request_id: str) -> str | None:
-        """Where a request is now: "prefill" (queued or running there), "transfer" (moved, not yet admitted), "decode"."""
+        """Where a request is now: "prefill" (queued or running there), "transfer" (prefilled and
+        waiting to move, or moved and not yet admitted), "decode"."""
         if request_id in self._prefilling:
             return "prefill"
-        if request_id in self._pinned:
+        if request_id in self._pinned or request_id in self._ready:
             return "transfer"
         return "decode" if request_id in self._decoding else None
 

@@ -90,7 +90,9 @@ class Scheduler(SchedulerObservability):
             )
         if rid in self.requests:
             raise ValueError(f"request {rid!r}: a live request already has this req_id")
-        if request.status is not RequestStatus.WAITING or request.output_token_ids:
+        # Output tokens are allowed before the first admission: a request whose prompt ran in
+        # another engine (prefill/decode disaggregation) starts with its first token.
+        if request.status is not RequestStatus.WAITING or request._admitted or request.num_computed_tokens:
             raise ValueError(f"request {rid!r}: already used; build a new Request")
         self.kv_cache_manager.update_block_hashes(request)
         self.requests[rid] = request
