@@ -183,12 +183,36 @@ def test_engine_config_checks_the_combination():
                  progress=False)
 
 
-def test_the_server_flag_is_parsed_and_checked():
+def test_the_server_serves_disaggregated_and_checks_the_flag():
+    import json
+    import os
     import pathlib
     import subprocess
     import sys
 
+    root = pathlib.Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(root / "tests" / "entrypoints"))
+    from server_launcher import ServerProcess, http, parse_metrics
+
     bad = subprocess.run([sys.executable, "-m", "entrypoints.openai.serve", "--model=random:tiny",
                           "--disaggregation=prefill:2,decode:1"], capture_output=True, text=True, timeout=120,
-                         cwd=pathlib.Path(__file__).resolve().parents[2])
+                         cwd=root)
     assert bad.returncode != 0 and "disaggregation: the prefill pool (2 devices)" in bad.stderr + bad.stdout
+    cache = os.environ.get("JAXSERVE_COMPILATION_CACHE", str(root / ".cache" / "jax"))
+    server = ServerProcess("--model=random:tiny", "--disaggregation=prefill:1,decode:1", "--max_num_seqs=4",
+                           "--max_num_batched_tokens=64", "--max_model_len=128", "--token_buckets=16,64",
+                           "--seq_buckets=4", f"--compilation_cache_dir={cache}", fake=False,
+                           startup_timeout=300).start()
+    try:
+        body = {"prompt": "A prompt long enough to fill two blocks of sixteen bytes.", "max_tokens": 8,
+                "temperature": 0, "ignore_eos": True}
+        status, _, text = http("POST", server.url + "/v1/completions", body)
+        assert status == 200, text
+        assert json.loads(text)["usage"]["completion_tokens"] == 8
+        status, _, text = http("POST", server.url + "/v1/completions", {**body, "stream": True})
+        assert status == 200 and text.count("data: ") >= 9 and text.rstrip().endswith("data: [DONE]"), text
+        metrics = parse_metrics(http("GET", server.url + "/metrics")[2])
+        assert metrics["jaxserve:kv_transfers_total"] >= 1 and metrics["jaxserve:kv_transfer_bytes_total"] > 0
+        assert 'jaxserve:num_requests_running{pool="decode"}' in metrics
+    finally:
+        assert server.terminate(timeout=60) == 0, server.output()[-3000:]
