@@ -2,7 +2,7 @@
 
 `EngineConfig(disaggregation=...)` takes an instance, a dict of these fields, or the string form
 `"prefill:2,decode:2"` (optionally `,max_pending_transfers:8,prefill_num_kv_blocks:64,
-decode_num_kv_blocks:512`), which is also what `--disaggregation` on the server takes. Every
+decode_num_kv_blocks:512,decode_address:HOST:PORT`), which is also what `--disaggregation` on the server takes. Every
 error names the knob. No jax here: configs are built before jax is imported.
 """
 
@@ -22,10 +22,17 @@ class DisaggregationConfig:
     max_pending_transfers: int = 8
     prefill_num_kv_blocks: int | None = None  # the prefill pool's KV cache; None: num_kv_blocks
     decode_num_kv_blocks: int | None = None  # the decode pool's KV cache; None: num_kv_blocks
+    # HOST:PORT of a decode pool in another process (`python -m engine.decode_pool --listen=...`,
+    # on this host or another); None: the decode pool is the next `decode` devices of this process.
+    decode_address: str | None = None
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
+            if field.name == "decode_address":
+                if value is not None and (not isinstance(value, str) or ":" not in value):
+                    raise ValueError(f"{_PREFIX}.decode_address must be HOST:PORT, got {value!r}")
+                continue
             if value is None and field.name.endswith("num_kv_blocks"):
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -69,6 +76,9 @@ def _parse(text: str) -> dict:
         name, sep, number = part.strip().partition(":")
         if not sep:
             raise ValueError(f"{_PREFIX}: {part.strip()!r} is not NAME:COUNT (e.g. 'prefill:2,decode:2')")
+        if name.strip() == "decode_address":
+            out["decode_address"] = number.strip()
+            continue
         try:
             out[name.strip()] = int(number)
         except ValueError:

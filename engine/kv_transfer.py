@@ -1,18 +1,18 @@
-"""KVTransfer: moves KV blocks from one runner's paged cache to another's, on other devices.
+"""Moving KV blocks from one runner's paged cache to another's, on other devices.
 
-Three compiled pieces per block-count bucket (powers of two up to the longest sequence's blocks,
-compiled at start-up, so nothing compiles while serving):
+Block counts are padded to buckets (powers of two up to the longest sequence's blocks), and both
+halves compile every bucket at start-up, so nothing compiles while serving:
 
-1. a gather on the source pool: `k[:, ids]`, `v[:, ids]` -> [L, n, block_size, Hkv, D] each, in the
-   source cache's sharding (split on KV heads under tensor parallelism);
-2. `jax.device_put` of those two arrays onto the destination cache's sharding: JAX's own
-   transfer, no host copy of ours, asynchronous like every dispatch;
-3. a scatter into the destination cache (donated, so it is updated in place); padded positions
-   carry an out-of-range block id and are dropped.
+- `KVGather` (the prefill pool): `k[:, ids]`, `v[:, ids]` -> [L, n, block_size, Hkv, D] each, in the
+  source cache's sharding (split on KV heads under tensor parallelism); padding gathers block 0.
+- `KVScatter` (the decode pool): writes such arrays into its cache (donated, so in place); padded
+  positions carry an out-of-range block id and are dropped.
 
-All three are dispatched without waiting; device order puts the scatter before the destination's
-next step. Only the arrays of one pool ever meet in one op (DESIGN.md section 12). A thread waits
-for each transfer to land, to time it (`TransferStats`), off the step loop.
+Between them the arrays move with JAX's own transfers: `jax.device_put` onto the destination
+cache's sharding in one process (engine/decode_pool.py's DecodePool), or
+`jax.experimental.transfer` between processes (RemoteDecodePool). Everything is dispatched without
+waiting; device order puts the scatter before the destination's next step. Only the arrays of
+one pool ever meet in one op (DESIGN.md section 12).
 """
 
 from __future__ import annotations
@@ -42,66 +42,88 @@ class TransferStats:
         return landed_bytes / self.seconds / 1e9 if self.seconds else 0.0
 
 
-def _replicated_like(array) -> object:
+def block_buckets(max_blocks: int) -> tuple[int, ...]:
+    return tuple(sorted({min(1 << i, max_blocks) for i in range(max_blocks.bit_length() + 1)}))
+
+
+def _replicated_like(array):
     sharding = array.sharding
     if isinstance(sharding, NamedSharding):
         return NamedSharding(sharding.mesh, PartitionSpec())
     return sharding  # one device
 
 
-class KVTransfer:
-    def __init__(self, source_runner, dest_runner, *, max_blocks: int):
-        self.source, self.dest = source_runner, dest_runner
-        self.buckets = tuple(sorted({min(1 << i, max_blocks) for i in range(max_blocks.bit_length() + 1)}))
-        k = dest_runner.kv_cache[0]
-        self._dest_sharding = k.sharding
-        self._dest_ids = _replicated_like(k)
-        self._source_ids = _replicated_like(source_runner.kv_cache[0])
-        self._dest_num_blocks = k.shape[1]
-        self._block_bytes = 2 * k.dtype.itemsize * k.size // k.shape[1]
+class KVGather:
+    def __init__(self, runner, buckets: tuple[int, ...]):
+        self.runner, self.buckets = runner, buckets
+        k = runner.kv_cache[0]
+        self._ids = _replicated_like(k)
+        self.block_bytes = 2 * k.dtype.itemsize * k.size // k.shape[1]
         self._gather = jax.jit(lambda k, v, ids: (k[:, ids], v[:, ids]))
-        self._scatter = jax.jit(
-            lambda k, v, nk, nv, ids: (k.at[:, ids].set(nk, mode="drop"), v.at[:, ids].set(nv, mode="drop")),
-            donate_argnums=(0, 1), out_shardings=(self._dest_sharding, self._dest_sharding))
-        self.stats = TransferStats()
-        self._lock = threading.Lock()
-        self._timer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-transfer")
-        for n in self.buckets:  # compile every bucket now: all-padding moves change nothing
-            self._move(np.zeros(0, np.int32), np.zeros(0, np.int32), n)
-        jax.block_until_ready(self.dest.kv_cache)
+        for n in buckets:
+            jax.block_until_ready(self.gather(np.zeros(n, np.int32)))
 
     def bucket(self, num_blocks: int) -> int:
         return next(b for b in self.buckets if b >= num_blocks)
 
-    def move(self, source_ids, dest_ids) -> None:
-        """Copies source blocks `source_ids` into destination blocks `dest_ids` (same length)."""
-        source_ids, dest_ids = np.asarray(source_ids, np.int32), np.asarray(dest_ids, np.int32)
-        if not len(source_ids):
-            return
+    def gather(self, source_ids) -> tuple[jax.Array, jax.Array]:
+        """The blocks `source_ids`, padded to their bucket with block 0."""
+        ids = np.zeros(self.bucket(len(source_ids)), np.int32)
+        ids[: len(source_ids)] = source_ids
+        return self._gather(*self.runner.kv_cache, jax.device_put(ids, self._ids))
+
+
+class KVScatter:
+    def __init__(self, runner, buckets: tuple[int, ...]):
+        self.runner = runner
+        k = runner.kv_cache[0]
+        self.sharding, self._ids = k.sharding, _replicated_like(k)
+        self.num_blocks, self.block_shape, self.dtype = k.shape[1], (k.shape[0], *k.shape[2:]), k.dtype
+        self._scatter = jax.jit(
+            lambda k, v, nk, nv, ids: (k.at[:, ids].set(nk, mode="drop"), v.at[:, ids].set(nv, mode="drop")),
+            donate_argnums=(0, 1), out_shardings=(self.sharding, self.sharding))
+        for n in buckets:  # all-padding writes change nothing
+            zeros = jax.device_put(np.zeros(self.shape(n), self.dtype), self.sharding)
+            self.write([], zeros, zeros)
+        jax.block_until_ready(runner.kv_cache)
+
+    def shape(self, bucket: int) -> tuple[int, ...]:
+        layers, *rest = self.block_shape
+        return (layers, bucket, *rest)
+
+    def write(self, dest_ids, k: jax.Array, v: jax.Array) -> None:
+        """Writes k, v (a bucket of blocks, on this cache's sharding) into blocks `dest_ids`."""
+        ids = np.full(k.shape[1], self.num_blocks, np.int32)  # out of range: dropped
+        ids[: len(dest_ids)] = dest_ids
+        self.runner.kv_cache = self._scatter(*self.runner.kv_cache, k, v, jax.device_put(ids, self._ids))
+
+
+class TransferClock:
+    """TransferStats, with each transfer timed from dispatch to landing by a thread that waits
+    for its arrays (off the step loop)."""
+
+    def __init__(self):
+        self.stats = TransferStats()
+        self._lock = threading.Lock()
+        self._timer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-transfer")
+
+    def started(self, num_blocks: int, num_bytes: int, arrays) -> None:
         start = time.perf_counter()
-        k, v = self._move(source_ids, dest_ids, self.bucket(len(source_ids)))
         with self._lock:
             self.stats.num_transfers += 1
-            self.stats.num_blocks += len(source_ids)
-            self.stats.num_bytes += len(source_ids) * self._block_bytes
-        self._timer.submit(self._time, (k, v), start)
-
-    def _move(self, source_ids, dest_ids, bucket: int):
-        n = len(source_ids)
-        src = np.zeros(bucket, np.int32)  # padding gathers the null block ...
-        src[:n] = source_ids
-        dst = np.full(bucket, self._dest_num_blocks, np.int32)  # ... and is dropped by the scatter
-        dst[:n] = dest_ids
-        k, v = self._gather(*self.source.kv_cache, jax.device_put(src, self._source_ids))
-        k, v = jax.device_put((k, v), self._dest_sharding)
-        self.dest.kv_cache = self._scatter(*self.dest.kv_cache, k, v, jax.device_put(dst, self._dest_ids))
-        return k, v
+            self.stats.num_blocks += num_blocks
+            self.stats.num_bytes += num_bytes
+        self._timer.submit(self._time, arrays, start)
 
     def _time(self, arrays, start: float) -> None:
         jax.block_until_ready(arrays)
         with self._lock:
             self.stats.num_landed += 1
             self.stats.seconds += time.perf_counter() - start
+
+    def fallback(self) -> None:
+        with self._lock:
+            self.stats.num_fallbacks += 1
 
     def snapshot(self) -> TransferStats:
         with self._lock:

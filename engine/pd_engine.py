@@ -35,7 +35,10 @@ import dataclasses
 import itertools
 import time
 
+import jax
+
 from engine.config import EngineConfig
+from engine.decode_pool import DecodePool
 from engine.engine_stats import EngineDeadError, EngineStats
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
@@ -64,46 +67,51 @@ class _Pending:
 
 class PDEngine:
     def __init__(self, config: EngineConfig, *, progress: bool = True, devices=None, loaded=None):
-        import jax
-
         from engine.builder import load_for_mesh
-        from engine.kv_transfer import KVTransfer
+        from engine.decode_pool import RemoteDecodePool
+        from engine.kv_transfer import KVGather, KVScatter, TransferClock, block_buckets
         from engine.mesh import replica_meshes
 
         pd = config.disaggregation
         devices = list(jax.devices() if devices is None else devices)
-        if pd.num_devices > len(devices):
+        local = pd.prefill if pd.decode_address is not None else pd.num_devices  # devices of this process
+        if local > len(devices):
             raise ValueError(f"EngineConfig.disaggregation: prefill:{pd.prefill},decode:{pd.decode} needs "
-                             f"{pd.num_devices} devices, but only {len(devices)} are present; on the CPU set "
+                             f"{local} devices here, but only {len(devices)} are present; on the CPU set "
                              "XLA_FLAGS=--xla_force_host_platform_device_count=N before jax is imported")
         pool_config = dataclasses.replace(config, disaggregation=None, tensor_parallel_size=pd.prefill)
         loaded = loaded or load_for_mesh(pool_config, progress=progress)
-        meshes = [replica_meshes(pd.prefill, 1, devices[: pd.prefill])[0],
-                  replica_meshes(pd.decode, 1, devices[pd.prefill : pd.num_devices])[0]]
         blocks = (pd.prefill_num_kv_blocks, pd.decode_num_kv_blocks)
         for name, n in zip(POOLS, blocks):
             if n is not None and config.max_model_len is not None and (n - 1) * config.block_size < config.max_model_len:
                 raise ValueError(f"EngineConfig.disaggregation.{name}_num_kv_blocks={n} holds {n - 1} blocks of "
                                  f"{config.block_size} tokens, less than one request of max_model_len="
                                  f"{config.max_model_len}: the {name} pool could never take such a prompt")
-        self.prefill, self.decode = (
-            LLMEngine(dataclasses.replace(pool_config, num_kv_blocks=n or config.num_kv_blocks),
-                      progress=progress, mesh=mesh, loaded=loaded)
-            for mesh, n in zip(meshes, blocks))
+        prefill_mesh = replica_meshes(pd.prefill, 1, devices[: pd.prefill])[0]
+        self.prefill = LLMEngine(dataclasses.replace(pool_config, num_kv_blocks=blocks[0] or config.num_kv_blocks),
+                                 progress=progress, mesh=prefill_mesh, loaded=loaded)
+        buckets = block_buckets(self.prefill.runner.shapes.max_blocks_per_seq)
+        self.gather = KVGather(self.prefill.runner, buckets)
+        decode_config = dataclasses.replace(pool_config, num_kv_blocks=blocks[1] or config.num_kv_blocks,
+                                            tensor_parallel_size=pd.decode)
+        if pd.decode_address is not None:
+            self.decode = RemoteDecodePool(pd.decode_address, decode_config, buckets, self.prefill.runner)
+        else:
+            decode_mesh = replica_meshes(pd.decode, 1, devices[pd.prefill : pd.num_devices])[0]
+            engine = LLMEngine(decode_config, progress=progress, mesh=decode_mesh, loaded=loaded)
+            self.decode = DecodePool(engine, KVScatter(engine.runner, buckets))
         self.config = config
         for name in ("tokenizer", "max_model_len", "model_name", "model_config", "dtype",
                      "attention_backend", "load_seconds"):
             setattr(self, name, getattr(self.prefill, name))
-        shapes = self.decode.runner.shapes
-        self.transfer = KVTransfer(self.prefill.runner, self.decode.runner, max_blocks=shapes.max_blocks_per_seq)
-        self.compile_seconds = self.prefill.compile_seconds + self.decode.compile_seconds
+        self.clock = TransferClock()
+        self.compile_seconds = self.prefill.compile_seconds + getattr(
+            getattr(self.decode, "engine", None), "compile_seconds", 0.0)
         self.block_size = config.block_size
         self.max_pending = pd.max_pending_transfers
         self._prefilling: dict[str, _Pending] = {}
         self._ready: collections.OrderedDict[str, tuple] = collections.OrderedDict()  # prefilled, queued to move
-        self._pinned: dict[str, list[int]] = {}  # moved, not yet admitted by the decode scheduler
         self._decoding: set[str] = set()
-        self._decode_n: dict[str, int] = {}
         self._seed = config.seed * 1_000_003
         self._seed_counter = itertools.count()
         self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="pool")
@@ -120,7 +128,7 @@ class PDEngine:
         return "; ".join(reasons) or None
 
     @property
-    def engines(self) -> tuple[LLMEngine, LLMEngine]:
+    def engines(self) -> tuple:
         return self.prefill, self.decode
 
     @property
@@ -161,7 +169,7 @@ class PDEngine:
         if self._prefilling.pop(request_id, None) is not None:
             return self.prefill.abort_request(request_id)
         if request_id in self._decoding:
-            self._forget(request_id)
+            self._decoding.discard(request_id)
             return self.decode.abort_request(request_id)
         return False
 
@@ -177,9 +185,9 @@ class PDEngine:
         if self.dead_reason is not None:
             raise EngineDeadError(f"the engine is dead: {self.dead_reason}")
         failed = []
-        while self._ready and len(self._pinned) < self.max_pending:
+        while self._ready and self.decode.num_pending < self.max_pending:
             failed += filter(None, [self._hand_over_or_fail(*self._ready.popitem(last=False)[1])])
-        paused = bool(self._ready) or len(self._pinned) >= self.max_pending
+        paused = bool(self._ready) or self.decode.num_pending >= self.max_pending
         busy = [e for e in self.engines if e.has_unfinished_requests() and (e is self.decode or not paused)]
         if len(busy) == 2:
             prefill_out, decode_out = self._pool.map(lambda e: e.step(), busy)
@@ -189,10 +197,8 @@ class PDEngine:
         outputs = failed + [self._after_prefill(out) for out in prefill_out]
         for out in decode_out:
             if out.finished:
-                self._forget(out.request_id)
+                self._decoding.discard(out.request_id)
             outputs.append(out)
-        for request_id in [r for r in self._pinned if self._admitted(r)]:
-            self._unpin(request_id)
         return outputs
 
     def _after_prefill(self, out: RequestOutput) -> RequestOutput | None:
@@ -208,7 +214,7 @@ class PDEngine:
         del self._prefilling[out.request_id]
         if shown.finished:
             return out  # every sample ended at its first token (a stop, EOS, or max_tokens 1)
-        if len(self._pinned) >= self.max_pending:
+        if self.decode.num_pending >= self.max_pending:
             # The transfer queue is full: the request waits, its blocks cached in the prefill pool,
             # which does not step (so allocates nothing) until the queue has room.
             self._ready[out.request_id] = (pending, out, firsts)
@@ -219,9 +225,12 @@ class PDEngine:
         """None when the request is in the decode pool now; else its failed final output."""
         try:
             self._hand_over(out.request_id, pending, out, firsts)
+        except EngineDeadError:
+            raise
         except Exception as exc:  # this request fails; the pools serve on
-            self.decode.abort_request(out.request_id)
-            self._forget(out.request_id)
+            if out.request_id in self._decoding:
+                self._decoding.discard(out.request_id)
+                self.decode.abort_request(out.request_id)
             failed = [dataclasses.replace(c, finish_reason="abort", error=f"KV handover failed: {exc}")
                       for c in out.outputs]
             return dataclasses.replace(out, outputs=failed, finished=True)
@@ -240,41 +249,24 @@ class PDEngine:
             if block is None:
                 break
             source.append(block)
-        imported = self.decode.scheduler.kv_cache_manager.import_blocks(hashes[: len(source)])
-        if imported is None:
-            self.transfer.stats.num_fallbacks += 1  # the decode pool is full: it recomputes the prompt
-        else:
-            pinned, to_write = imported
-            self._pinned[request_id] = pinned
-            self.transfer.move([source[i] for i, _ in to_write], [b for _, b in to_write])
+        to_write = self.decode.accept(request_id, hashes[: len(source)])
+        if to_write is None:
+            self.clock.fallback()  # the decode pool is full: it recomputes the prompt
+        elif to_write:
+            k, v = self.gather.gather([source[i] for i, _ in to_write])
+            if isinstance(self.decode, DecodePool):
+                k, v = jax.device_put((k, v), self.decode.scatter.sharding)
+            self.clock.started(len(to_write), len(to_write) * self.gather.block_bytes, (k, v))
+            self.decode.write([b for _, b in to_write], k, v)
         first_time = out.metrics.first_token_time or time.monotonic()
+        self._decoding.add(request_id)
         self.decode.add_request(request_id, ids, pending.params, pending.arrival, base_seed=pending.base_seed,
                                 resume=Resume(firsts, first_time, out.prompt_logprobs), **pending.kwargs)
-        self._decoding.add(request_id)
-        self._decode_n[request_id] = pending.params.n
-
-    def _admitted(self, request_id: str) -> bool:
-        """Every sequence of the request that is still live has been admitted (its table holds
-        the moved blocks now), so the pins may go."""
-        get, n = self.decode.scheduler.get_request, self._decode_n.get(request_id, 1)
-        seqs = [get(request_id)] if n == 1 else [get(f"{request_id}#{i}") for i in range(n)]
-        return all(s is None or s.num_computed_tokens > 0 for s in seqs)
-
-    def _forget(self, request_id: str) -> None:
-        """The request left the decode pool (finished, aborted or failed): no pins, no state."""
-        self._decoding.discard(request_id)
-        self._decode_n.pop(request_id, None)
-        self._unpin(request_id)
-
-    def _unpin(self, request_id: str) -> None:
-        pinned = self._pinned.pop(request_id, None)
-        if pinned:
-            self.decode.scheduler.kv_cache_manager.release(pinned)
 
     # -- the rest of LLMEngine's interface -------------------------------------------------------
 
     def reconfigure_scheduler(self, **changes):
-        if self._pinned or self._ready:
+        if self._ready:
             raise ValueError("reconfigure_scheduler needs an idle engine: KV transfers are pending")
         schedulers = [e.reconfigure_scheduler(**changes) for e in self.engines]
         self.config = dataclasses.replace(self.config, **changes)
@@ -285,7 +277,7 @@ class PDEngine:
         waiting to move, or moved and not yet admitted), "decode"."""
         if request_id in self._prefilling:
             return "prefill"
-        if request_id in self._pinned or request_id in self._ready:
+        if request_id in self._ready or self.decode.is_pinned(request_id):
             return "transfer"
         return "decode" if request_id in self._decoding else None
 
@@ -299,5 +291,11 @@ class PDEngine:
             padded_token_fraction=sum(s.padded_token_fraction for s in per) / 2,
             weight_bytes_per_device=tuple(b for s in per for b in s.weight_bytes_per_device),
             kv_cache_bytes_per_device=tuple(b for s in per for b in s.kv_cache_bytes_per_device),
-            spec_decode=None, replicas=tuple(per), pool_names=POOLS, kv_transfer=self.transfer.snapshot(),
-            num_pending_transfers=len(self._pinned))
+            spec_decode=None, replicas=tuple(per), pool_names=POOLS, kv_transfer=self._transfer_stats(),
+            num_pending_transfers=self.decode.num_pending)
+
+    def _transfer_stats(self):
+        stats = self.clock.snapshot()
+        if not isinstance(self.decode, DecodePool):  # timed where they land: in the decode process
+            stats.seconds, stats.num_landed = self.decode.pull_seconds, self.decode.num_pulled
+        return stats

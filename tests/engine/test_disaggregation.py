@@ -31,10 +31,10 @@ def pd():
 
 
 def _no_blocks_held(pd):
-    for engine in pd.engines:
+    for engine in (pd.prefill, pd.decode.engine):
         pool = engine.scheduler.kv_cache_manager.pool
         assert pool.num_used_blocks == 0 and not engine.has_unfinished_requests()
-    assert not pd._pinned and not pd.has_unfinished_requests()
+    assert not pd.decode.num_pending and not pd.has_unfinished_requests()
 
 
 def _same(a, b, logprobs=False):
@@ -126,10 +126,10 @@ def test_decode_preemption_recomputes_and_backpressure_bounds_the_transfers(pd):
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     requests = [(f"p{i}", PROMPTS[i], params) for i in range(8)]
     want = run_to_completion(reference, requests)
-    pd.decode.reconfigure_scheduler(num_kv_blocks=20)  # 19 usable: 8 growing requests do not fit
+    pd.decode.engine.reconfigure_scheduler(num_kv_blocks=20)  # 19 usable: 8 growing requests do not fit
     pd.max_pending = 2
     try:
-        before = pd.decode.get_stats().num_preemptions
+        before = pd.decode.engine.get_stats().num_preemptions
         for rid, prompt, p in requests:
             pd.add_request(rid, prompt, p)
         got, most_pending = {}, 0
@@ -137,14 +137,14 @@ def test_decode_preemption_recomputes_and_backpressure_bounds_the_transfers(pd):
             for out in pd.step():
                 if out.finished:
                     got[out.request_id] = out
-            most_pending = max(most_pending, len(pd._pinned))
+            most_pending = max(most_pending, pd.decode.num_pending)
         assert most_pending <= 2
-        assert pd.decode.get_stats().num_preemptions > before
+        assert pd.decode.engine.get_stats().num_preemptions > before
         for rid, out in want.items():
             _same(out, got[rid])
         _no_blocks_held(pd)
     finally:
-        pd.decode.reconfigure_scheduler(num_kv_blocks=KNOBS["num_kv_blocks"])
+        pd.decode.engine.reconfigure_scheduler(num_kv_blocks=KNOBS["num_kv_blocks"])
         pd.max_pending = pd.config.disaggregation.max_pending_transfers
 
 
@@ -173,7 +173,7 @@ def test_engine_config_checks_the_combination():
         EngineConfig(**{**KNOBS, "enable_prefix_caching": False}, disaggregation="prefill:1,decode:1")
     from engine.pd_engine import PDEngine
 
-    with pytest.raises(ValueError, match="needs 6 devices, but only 4"):
+    with pytest.raises(ValueError, match="needs 6 devices here, but only 4"):
         PDEngine(EngineConfig(**KNOBS, disaggregation="prefill:3,decode:3"), progress=False)
     # A pool that could not hold one max_model_len request (so some prompt would fit the other
     # pool but not this one) is refused before anything is built.
@@ -216,3 +216,59 @@ def test_the_server_serves_disaggregated_and_checks_the_flag():
         assert 'jaxserve:num_requests_running{pool="decode"}' in metrics
     finally:
         assert server.terminate(timeout=60) == 0, server.output()[-3000:]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_a_decode_pool_in_another_process_then_its_death_is_named(pd):
+    """Two OS processes: this one runs the prefill pool (2 devices) and the engine, the other the
+    decode pool (`python -m engine.decode_pool`, 2 devices of its own); KV blocks move through
+    jax.experimental.transfer. Outputs equal colocated; killing the decode process makes the
+    next step fail with an error that names it, and the engine is dead, not hung."""
+    import os
+    import subprocess
+    import sys
+
+    from engine.engine_stats import EngineDeadError
+    from engine.pd_engine import PDEngine
+    from tests.conftest import TEST_XLA_FLAGS
+
+    address = f"127.0.0.1:{_free_port()}"
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count=2 {TEST_XLA_FLAGS}")
+    proc = subprocess.Popen([sys.executable, "-m", "engine.decode_pool", f"--listen={address}"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        remote = PDEngine(EngineConfig(**KNOBS, disaggregation=dict(prefill=2, decode=2, decode_address=address)),
+                          progress=False)
+        cases = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=1),
+                 SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=8, ignore_eos=True)]
+        requests = [(f"x{i}", p, cases[i % 2]) for i, p in enumerate(PROMPTS[:6])]
+        want = run_to_completion(pd.prefill, requests)
+        got = run_to_completion(remote, requests)
+        for rid, out in want.items():
+            _same(out, got[rid], logprobs=rid in ("x0", "x2", "x4"))
+        stats = remote.get_stats()
+        # The first request moves the 4 blocks all prompts share, PROMPTS[3:6] their fifth.
+        assert stats.kv_transfer.num_transfers == 4 and stats.kv_transfer.num_blocks == 7
+        assert stats.kv_transfer.num_landed == 4 and stats.kv_transfer.seconds > 0
+        assert stats.replicas[1].prefix_cache_hits >= 6 * 4 * 16 and remote.decode.num_pending == 0
+        remote.add_request("dies", PROMPTS[7], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
+        while remote.pool_of("dies") == "prefill":
+            remote.step()
+        proc.kill()
+        proc.wait(timeout=30)
+        with pytest.raises(EngineDeadError, match=f"decode pool process at {address} is gone"):
+            for _ in range(100):
+                remote.step()
+        assert "is gone" in remote.dead_reason
+    finally:
+        proc.kill()
+        output = proc.communicate(timeout=30)[0]
+    assert "Traceback" not in output, output[-3000:]
