@@ -34,6 +34,7 @@ class DecodePool:
         self._pinned: dict[str, list[int]] = {}
         self._n: dict[str, int] = {}
         self.pull_seconds, self.num_pulled = 0.0, 0  # remote pulls (timed where they land)
+        self.num_blocks = scatter.num_blocks  # the cache's blocks; an id this large is dropped
 
     @property
     def dead_reason(self) -> str | None:
@@ -145,7 +146,7 @@ class RemoteDecodePool:
         self._unfinished: set[str] = set()
         self.num_pending, self._pinned = 0, set()
         self.pull_seconds, self.num_pulled = 0.0, 0
-        self._call("start", pool_config, buckets, self._server.address())
+        self.num_blocks = self._call("start", pool_config, buckets, self._server.address())
 
     def _send(self, *message) -> None:
         try:
@@ -254,7 +255,7 @@ def serve(listen: str) -> None:
                     pool = DecodePool(engine, KVScatter(engine.runner, buckets))
                     server = transfer.start_transfer_server(jax.devices()[0].client, f"{host}:0", [f"{host}:0"])
                     peer = server.connect(leader_address)
-                    result = None
+                    result = pool.num_blocks
                 elif op == "write":  # pull the bucket onto this pool's sharding, then scatter it
                     uuid, dest_ids, bucket = args
                     start = time.perf_counter()

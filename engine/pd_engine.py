@@ -33,6 +33,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import itertools
+import threading
 import time
 
 import jax
@@ -115,6 +116,9 @@ class PDEngine:
         self._seed = config.seed * 1_000_003
         self._seed_counter = itertools.count()
         self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="pool")
+        self._running: dict[str, concurrent.futures.Future | None] = dict.fromkeys(POOLS)
+        self._locks = {name: threading.Lock() for name in POOLS}
+        self.decode_num_blocks = self.decode.num_blocks  # an out-of-range id: the scatter drops it
 
     # -- what LLMEngine offers -----------------------------------------------------------------
 
@@ -159,52 +163,86 @@ class PDEngine:
         base_seed = params.seed if params.seed is not None else self._seed + next(self._seed_counter)
         pending = _Pending(ids, params, time.monotonic() if arrival_time is None else arrival_time, kwargs,
                            base_seed, room if params.max_tokens is None else min(params.max_tokens, room))
-        self.prefill.add_request(request_id, ids, dataclasses.replace(params, max_tokens=1), pending.arrival,
-                                 base_seed=base_seed, **kwargs)
+        with self._locks["prefill"]:  # waits for a prefill step in flight
+            self.prefill.add_request(request_id, ids, dataclasses.replace(params, max_tokens=1), pending.arrival,
+                                     base_seed=base_seed, **kwargs)
         self._prefilling[request_id] = pending
 
     def abort_request(self, request_id: str) -> bool:
+        """Wherever the request is; a pool stepping now finishes its step first (its lock)."""
         if self._ready.pop(request_id, None) is not None:
             return True  # its blocks stay in the prefill pool's cache
         if self._prefilling.pop(request_id, None) is not None:
-            return self.prefill.abort_request(request_id)
+            with self._locks["prefill"]:
+                self.prefill.abort_request(request_id)
+            return True
         if request_id in self._decoding:
             self._decoding.discard(request_id)
-            return self.decode.abort_request(request_id)
+            with self._locks["decode"]:
+                self.decode.abort_request(request_id)
+            return True
         return False
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._prefilling or self._ready or self._decoding)
+        """Also True while a pool's step is in flight: its outputs are still to come."""
+        return bool(self._prefilling or self._ready or self._decoding) or any(
+            f is not None for f in self._running.values())
 
     # -- the step -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One step of each pool with work, on two threads; then the handovers. Backpressure: at
-        max_pending_transfers moved requests not yet admitted by the decode scheduler, the
-        prefill pool pauses (its requests wait in its queue) until the decode pool admits some."""
+        """Runs the pools independently: each pool with work steps on its own thread, and this
+        call returns the outputs of the first step to finish (the other pool may still be
+        stepping). So decoding streams keep their pace while a prefill step runs, and the other
+        way round. Handovers: a finished prefill's blocks are gathered at once (the prefill pool
+        is idle then); they land in the decode pool when it is idle. Backpressure: at
+        max_pending_transfers requests gathered or moved and not yet admitted by the decode
+        scheduler, the prefill pool pauses (its requests wait in its queue)."""
         if self.dead_reason is not None:
             raise EngineDeadError(f"the engine is dead: {self.dead_reason}")
-        failed = []
-        while self._ready and self.decode.num_pending < self.max_pending:
-            failed += filter(None, [self._hand_over_or_fail(*self._ready.popitem(last=False)[1])])
-        paused = bool(self._ready) or self.decode.num_pending >= self.max_pending
-        busy = [e for e in self.engines if e.has_unfinished_requests() and (e is self.decode or not paused)]
-        if len(busy) == 2:
-            prefill_out, decode_out = self._pool.map(lambda e: e.step(), busy)
-        else:
-            prefill_out = self.prefill.step() if self.prefill in busy else []
-            decode_out = self.decode.step() if self.decode in busy else []
-        outputs = failed + [self._after_prefill(out) for out in prefill_out]
-        for out in decode_out:
-            if out.finished:
-                self._decoding.discard(out.request_id)
-            outputs.append(out)
+        outputs = self._land_handovers()
+        self._launch()
+        running = [f for f in self._running.values() if f is not None]
+        if running:
+            concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+        outputs += self._collect()
+        outputs += self._land_handovers()
+        self._launch()
+        return outputs
+
+    def _launch(self) -> None:
+        paused = len(self._ready) + self.decode.num_pending >= self.max_pending
+        for name, pool in zip(POOLS, self.engines):
+            if self._running[name] is None and pool.has_unfinished_requests() and not (name == "prefill" and paused):
+                self._running[name] = self._pool.submit(self._locked_step, name)
+
+    def _locked_step(self, name: str):
+        with self._locks[name]:
+            return self.engines[POOLS.index(name)].step()
+
+    def _collect(self) -> list[RequestOutput]:
+        outputs = []
+        for name in POOLS:
+            future = self._running[name]
+            if future is None or not future.done():
+                continue
+            self._running[name] = None
+            results = future.result()  # a pool's step failing here is the engine's error
+            if name == "prefill":
+                outputs += filter(None, (self._after_prefill(out) for out in results))
+                continue
+            for out in results:
+                if out.request_id not in self._decoding:
+                    continue  # aborted while its last step ran
+                if out.finished:
+                    self._decoding.discard(out.request_id)
+                outputs.append(out)
         return outputs
 
     def _after_prefill(self, out: RequestOutput) -> RequestOutput | None:
         pending = self._prefilling.get(out.request_id)
         if pending is None:
-            return out
+            return None  # aborted while its last prefill step ran
         goes_on = pending.max_tokens > 1
         firsts = [dataclasses.replace(c, finish_reason=None) if goes_on and c.finish_reason == "length" else c
                   for c in out.outputs]
@@ -214,58 +252,78 @@ class PDEngine:
         del self._prefilling[out.request_id]
         if shown.finished:
             return out  # every sample ended at its first token (a stop, EOS, or max_tokens 1)
-        if self.decode.num_pending >= self.max_pending:
-            # The transfer queue is full: the request waits, its blocks cached in the prefill pool,
-            # which does not step (so allocates nothing) until the queue has room.
-            self._ready[out.request_id] = (pending, out, firsts)
-            return shown
-        return self._hand_over_or_fail(pending, out, firsts) or shown
-
-    def _hand_over_or_fail(self, pending: _Pending, out: RequestOutput, firsts) -> RequestOutput | None:
-        """None when the request is in the decode pool now; else its failed final output."""
         try:
-            self._hand_over(out.request_id, pending, out, firsts)
-        except EngineDeadError:
-            raise
+            self._ready[out.request_id] = (pending, out, firsts, *self._gather(pending.prompt_ids))
         except Exception as exc:  # this request fails; the pools serve on
-            if out.request_id in self._decoding:
-                self._decoding.discard(out.request_id)
-                self.decode.abort_request(out.request_id)
-            failed = [dataclasses.replace(c, finish_reason="abort", error=f"KV handover failed: {exc}")
-                      for c in out.outputs]
-            return dataclasses.replace(out, outputs=failed, finished=True)
-        return None
+            return self._failed(out, exc)
+        return shown
 
-    def _hand_over(self, request_id: str, pending: _Pending, out: RequestOutput, firsts) -> None:
-        bs, ids = self.block_size, pending.prompt_ids
-        hashes, parent = [], ROOT_BLOCK_HASH
+    def _gather(self, ids: list[int]):
+        """The prompt's full blocks, gathered from the prefill pool (idle now) and, in one
+        process, already on their way to the decode pool's devices: (hashes, k, v)."""
+        bs, hashes, parent = self.block_size, [], ROOT_BLOCK_HASH
         for i in range(len(ids) // bs):
             parent = hash_block_tokens(parent, ids[i * bs : (i + 1) * bs])
             hashes.append(parent)
-        lookup = self.prefill.scheduler.kv_cache_manager.pool.lookup
-        source = []
+        lookup, source = self.prefill.scheduler.kv_cache_manager.pool.lookup, []
         for h in hashes:  # the leading blocks still in the prefill pool's cache (all, normally)
             block = lookup(h)
             if block is None:
                 break
             source.append(block)
-        to_write = self.decode.accept(request_id, hashes[: len(source)])
+        if not source:
+            return [], None, None
+        k, v = self.gather.gather(source)
+        if isinstance(self.decode, DecodePool):
+            k, v = jax.device_put((k, v), self.decode.scatter.sharding)
+        self.clock.started(len(source), len(source) * self.gather.block_bytes, (k, v))
+        return hashes[: len(source)], k, v
+
+    def _land_handovers(self) -> list[RequestOutput]:
+        """Moves gathered requests into the decode pool while it is idle; failed outputs."""
+        failed = []
+        while self._ready and self._running["decode"] is None and self.decode.num_pending < self.max_pending:
+            request_id, (pending, out, firsts, hashes, k, v) = self._ready.popitem(last=False)
+            try:
+                self._land(request_id, pending, out, firsts, hashes, k, v)
+            except EngineDeadError:
+                raise
+            except Exception as exc:  # this request fails; the pools serve on
+                if request_id in self._decoding:
+                    self._decoding.discard(request_id)
+                    self.decode.abort_request(request_id)
+                failed.append(self._failed(out, exc))
+        return failed
+
+    def _land(self, request_id: str, pending: _Pending, out: RequestOutput, firsts, hashes, k, v) -> None:
+        to_write = self.decode.accept(request_id, hashes)
         if to_write is None:
             self.clock.fallback()  # the decode pool is full: it recomputes the prompt
         elif to_write:
-            k, v = self.gather.gather([source[i] for i, _ in to_write])
-            if isinstance(self.decode, DecodePool):
-                k, v = jax.device_put((k, v), self.decode.scatter.sharding)
-            self.clock.started(len(to_write), len(to_write) * self.gather.block_bytes, (k, v))
-            self.decode.write([b for _, b in to_write], k, v)
+            dest = [self.decode_num_blocks] * len(hashes)  # blocks it holds already: dropped
+            for position, block in to_write:
+                dest[position] = block
+            self.decode.write(dest, k, v)
         first_time = out.metrics.first_token_time or time.monotonic()
         self._decoding.add(request_id)
-        self.decode.add_request(request_id, ids, pending.params, pending.arrival, base_seed=pending.base_seed,
-                                resume=Resume(firsts, first_time, out.prompt_logprobs), **pending.kwargs)
+        self.decode.add_request(request_id, pending.prompt_ids, pending.params, pending.arrival,
+                                base_seed=pending.base_seed, resume=Resume(firsts, first_time, out.prompt_logprobs),
+                                **pending.kwargs)
+
+    @staticmethod
+    def _failed(out: RequestOutput, exc: Exception) -> RequestOutput:
+        failed = [dataclasses.replace(c, finish_reason="abort", error=f"KV handover failed: {exc}")
+                  for c in out.outputs]
+        return dataclasses.replace(out, outputs=failed, finished=True)
+
+    def wait_idle(self) -> None:
+        """Waits for the pools' steps in flight (their outputs come with the next step())."""
+        concurrent.futures.wait([f for f in self._running.values() if f is not None])
 
     # -- the rest of LLMEngine's interface -------------------------------------------------------
 
     def reconfigure_scheduler(self, **changes):
+        self.wait_idle()
         if self._ready:
             raise ValueError("reconfigure_scheduler needs an idle engine: KV transfers are pending")
         schedulers = [e.reconfigure_scheduler(**changes) for e in self.engines]

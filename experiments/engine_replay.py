@@ -132,7 +132,8 @@ def replay(engine: LLMEngine, samples: Sequence[SampleRequest], config: ReplayCo
                 if len(in_flight) == cap:
                     slot_free_since = t1
                 in_flight.discard(i)
-        stats = engine.scheduler.stats
+        # An LLMEngine's scheduler counts; engines of several pools or replicas report them.
+        stats = engine.scheduler.stats if hasattr(engine, "scheduler") else engine.get_stats()
         steps.append(StepSample(t1, t1 - t0, stats.num_running, stats.num_waiting))
     last = max((r.chunk_times_s[-1] for r in records if r.chunk_times_s), default=time.perf_counter())
     return ReplayResult(records, max(last - start, 1e-9), start, steps)
