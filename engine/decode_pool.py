@@ -137,7 +137,7 @@ class RemoteDecodePool:
                                      f"answered in {CONNECT_TIMEOUT_S:.0f} s ({exc}); start `python -m "
                                      f"engine.decode_pool --listen={address}` there") from None
                 time.sleep(0.2)
-        client = source_runner.kv_cache[0].devices().pop().client
+        client = next(iter(source_runner.kv_cache[0].devices())).client  # (a shared set: never mutate it)
         self._server = transfer.start_transfer_server(client, f"{host}:0", [f"{host}:0"])
         self._lock = threading.Lock()
         self._uuids = itertools.count(1)

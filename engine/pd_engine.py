@@ -1,30 +1,32 @@
 """PDEngine: prefill/decode disaggregation over two device pools, behind LLMEngine's interface.
 
 `EngineConfig(disaggregation="prefill:2,decode:2")`: the first devices form the prefill pool,
-the next ones the decode pool, each a (1, n) mesh with tensor parallelism inside it, its own
+the next ones the decode pool (or, with `decode_address`, another process's devices:
+engine/decode_pool.py), each a (1, n) mesh with tensor parallelism inside it and its own
 LLMEngine (scheduler, request table, compiled steps, paged KV cache). The model is loaded once
 into host memory; each pool places its own shards. A request's life:
 
-1. `add_request` tokenizes and hands the request to the prefill engine asking for one token: its scheduler runs the prompt (chunked, with prefix caching) and
-   samples the first token, which is streamed to the client at once. Backpressure: while
-   `max_pending_transfers` moved requests wait for the decode scheduler, finished prefills wait
-   to move (their blocks cached in the prefill pool) and the prefill pool pauses.
-2. When the prefill engine finishes a request, its prompt's full blocks are found in the prefill
-   pool's prefix cache by their hashes (nothing was allocated since, so they are intact), the
-   decode pool's KVCacheManager.import_blocks registers blocks under the same hashes (reusing
-   any it already holds) and pins them, and engine/kv_transfer.py gathers, moves
-   (`jax.device_put` onto the decode mesh's sharding, block counts padded to buckets) and
-   scatters them into the decode cache (donated). All of it is dispatched without waiting.
-3. The decode engine gets the request with `resume` (each sequence starts with its first token,
-   logprobs, stop-string and grammar state, and the same seed): its scheduler admits it as a
-   prefix hit on every full prompt block and computes only the partial last block (fewer than
-   block_size tokens) with the first token. The pins go once it is admitted, so the prefill
-   pool's blocks stay there as its prefix cache.
+1. `add_request` tokenizes and hands the request to the prefill engine asking for one token: its
+   scheduler runs the prompt (chunked, with prefix caching) and samples the first token, which
+   is returned at once (finish_reason None), so the client's stream starts before the KV moves.
+2. When the prefill engine finishes it, the prompt's full blocks are found in the prefill pool's
+   prefix cache by their hashes (cached before the request was freed; nothing allocated since),
+   gathered (engine/kv_transfer.py, block counts padded to buckets) and sent with
+   `jax.device_put` onto the decode cache's sharding, all without waiting.
+3. When the decode pool is idle, its KVCacheManager.import_blocks registers blocks under the same
+   hashes (keeping any it holds already) and pins them, the new ones are scattered into its
+   donated cache, and the decode engine gets the request with `resume` (each sequence starts
+   with its first token, logprobs, stop-string and grammar state, and the same seed). Its
+   scheduler admits it as a prefix hit on every full prompt block and computes the partial last
+   block (fewer than block_size tokens) with the first token. The pins go once it is admitted;
+   the prefill pool's blocks stay there as its prefix cache.
 
-`step()` steps both engines on two threads (JAX releases the GIL while each runs on its own
-devices, so prefill and decode overlap), then hands finished prefills over. Aborts reach the
-request wherever it is (queued, prefilling, moved and pinned, decoding) and leave no block held.
-A decode-side preemption recomputes there (the moved blocks are likely still its prefix cache).
+`step()` keeps one step of each pool in flight on its own thread and returns the outputs of the
+first to finish, so decode streams keep their pace while a prefill step runs. Backpressure: at
+`max_pending_transfers` requests gathered or pinned, the prefill pool pauses. Aborts reach the
+request wherever it is (prefill queue or step, waiting to move, pinned, decoding) and leave no
+block held; a pool's step in flight finishes first (add and abort take its lock). A decode-side
+preemption recomputes there (the moved blocks are likely still its prefix cache).
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ steps): greedy, seeded, n > 1, logprobs and stop strings give the same outputs; 
 comes out before the decode pool has the request; aborts in every phase, decode-side preemption
 and backpressure leave no block held; nothing recompiles after warm-up; metrics per pool."""
 
+import collections
+
 import pytest
 
 from engine.config import EngineConfig
@@ -85,6 +87,54 @@ def test_outputs_equal_colocated_and_the_kv_moves(pd):
     assert 'jaxserve:kv_cache_usage_perc{pool="decode"}' in metrics
     assert 'jaxserve:weight_bytes{device="1",pool="prefill"}' in metrics
     assert "jaxserve:kv_transfers_total" in metrics and "jaxserve:kv_transfer_queue_depth" in metrics
+
+
+def test_greedy_equals_colocated_and_no_op_mixes_the_pools(pd):
+    """Ten prompts with a shared prefix, longer than one 64-token chunk, greedy; and an op over
+    arrays of both pools raises in JAX (nothing in the engine may need one)."""
+    import jax.numpy as jnp
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    requests = [(f"g{i}", p + p[:20], greedy) for i, p in enumerate(PROMPTS)]
+    assert all(len(pd.tokenize(p)) > KNOBS["max_num_batched_tokens"] for _, p, _ in requests)
+    want = run_to_completion(pd.prefill, requests)
+    got = run_to_completion(pd, requests)
+    assert [got[f"g{i}"].outputs[0].token_ids for i in range(10)] == [want[f"g{i}"].outputs[0].token_ids
+                                                                      for i in range(10)]
+    prefill_k, decode_k = pd.prefill.runner.kv_cache[0], pd.decode.engine.runner.kv_cache[0]
+    assert prefill_k.devices().isdisjoint(decode_k.devices())
+    with pytest.raises(ValueError, match="[Dd]evice"):
+        jnp.add(prefill_k[:, :1], decode_k[:, :1])
+
+
+def test_200_requests_with_random_aborts_at_every_stage_leak_nothing(pd):
+    import random
+
+    rng = random.Random(0)
+    before = pd.get_stats()
+    live, stages, done = set(), collections.Counter(), 0
+    for i in range(200):
+        params = SamplingParams(temperature=rng.choice([0.0, 1.0]), seed=i, max_tokens=rng.randint(1, 12),
+                                n=rng.choice([1, 1, 2]), ignore_eos=True)
+        pd.add_request(f"z{i}", PROMPTS[i % 10][: rng.randint(5, 110)], params)
+        live.add(f"z{i}")
+        for out in pd.step():
+            if out.finished:
+                live.discard(out.request_id)
+                done += 1
+        for rid in [r for r in sorted(live) if rng.random() < 0.08]:
+            stages[pd.pool_of(rid)] += 1
+            assert pd.abort_request(rid)
+            live.discard(rid)
+    while pd.has_unfinished_requests():
+        for out in pd.step():
+            if out.finished:
+                live.discard(out.request_id)
+                done += 1
+    assert not live and done + sum(stages.values()) == 200
+    assert stages["prefill"] and stages["transfer"] and stages["decode"], stages
+    assert pd.get_stats().num_compilations == before.num_compilations
+    _no_blocks_held(pd)
 
 
 def test_the_first_token_streams_from_the_prefill_pool(pd):
