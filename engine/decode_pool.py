@@ -146,6 +146,7 @@ class RemoteDecodePool:
         self._unfinished: set[str] = set()
         self.num_pending, self._pinned = 0, set()
         self.pull_seconds, self.num_pulled = 0.0, 0
+        self._stats = None
         self.num_blocks = self._call("start", pool_config, buckets, self._server.address())
 
     def _send(self, *message) -> None:
@@ -202,7 +203,7 @@ class RemoteDecodePool:
         return self._call("abort", request_id)
 
     def step(self) -> list:
-        outputs, pinned, (self.pull_seconds, self.num_pulled), pulled = self._call("step")
+        outputs, pinned, (self.pull_seconds, self.num_pulled), pulled, self._stats = self._call("step")
         for uuid in pulled:
             self._inflight.pop(uuid, None)
         self._pinned = set(pinned)
@@ -213,9 +214,13 @@ class RemoteDecodePool:
         return outputs
 
     def get_stats(self):
-        return self._call("stats")
+        """The snapshot that came with the last step (no call while a step is in flight)."""
+        if self._stats is None:
+            self._stats = self._call("stats")
+        return self._stats
 
     def reconfigure_scheduler(self, **changes):
+        self._stats = None
         return self._call("reconfigure", changes)
 
     def close(self) -> None:
@@ -276,7 +281,8 @@ def serve(listen: str) -> None:
                 elif op == "abort":
                     result = pool.abort_request(*args)
                 elif op == "step":
-                    result = (pool.step(), list(pool._pinned), (pool.pull_seconds, pool.num_pulled), pulled)
+                    result = (pool.step(), list(pool._pinned), (pool.pull_seconds, pool.num_pulled), pulled,
+                              pool.get_stats())
                     pulled = []
                 elif op == "stats":
                     result = pool.get_stats()

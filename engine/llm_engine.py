@@ -159,11 +159,17 @@ class LLMEngine:
         return ids
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None, *, add_special_tokens: bool = True,
-                    priority: int = 0, prompt_text: str | None = None,
-                    group_id: str | None = None, grammar=None, base_seed: int | None = None,
-                    resume: Resume | None = None) -> None:
-        """Queues a request. `group_id` ties the prompts of one client request together for the
+                    arrival_time: float | None = None, **kwargs) -> None:
+        """Queues a request: `prepare_request` (whose keywords these are), then `submit`."""
+        self.submit(self.prepare_request(request_id, prompt, params, arrival_time, **kwargs))
+
+    def prepare_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                        arrival_time: float | None = None, *, add_special_tokens: bool = True,
+                        priority: int = 0, prompt_text: str | None = None,
+                        group_id: str | None = None, grammar=None, base_seed: int | None = None,
+                        resume: Resume | None = None) -> RequestState:
+        """Validates a request and builds its state without touching the scheduler (so while
+        another thread steps this engine: engine/pd_engine.py); `submit` queues it. `group_id` ties the prompts of one client request together for the
         fairness cap (EngineConfig.max_request_share); by default the request is its own group.
         `grammar`: params.structured_outputs already compiled (compile_grammar, on another
         thread); without it a constrained request is compiled here (the LRU makes a repeat free).
@@ -225,13 +231,19 @@ class LLMEngine:
             for seq, first in zip(state.seqs, resume.first, strict=True):
                 if seq.resume_from(first, resume.first_token_time) is None:
                     self._advance_mask_state(seq, first.token_ids[:1], {})
+        return state
+
+    def submit(self, state: RequestState) -> None:
+        """Queues a prepared request (only between steps)."""
+        if state.request_id in self._requests:
+            raise ParamError("request_id", f"request_id: {state.request_id!r} is already running")
         for seq in state.seqs:  # validated as a whole before any of it reaches the scheduler
             if seq.finish_reason is None:
                 self.scheduler.add_request(seq.request)
                 self._seqs[seq.seq_id] = seq
-        self._requests[request_id] = state
-        self._num_prompt_tokens += len(ids)
-        self._num_constrained_requests += grammar is not None
+        self._requests[state.request_id] = state
+        self._num_prompt_tokens += len(state.prompt_token_ids)
+        self._num_constrained_requests += state.params.structured_outputs is not None
 
     @property
     def grammar_compiler(self):

@@ -25,7 +25,8 @@ into host memory; each pool places its own shards. A request's life:
 first to finish, so decode streams keep their pace while a prefill step runs. Backpressure: at
 `max_pending_transfers` requests gathered or pinned, the prefill pool pauses. Aborts reach the
 request wherever it is (prefill queue or step, waiting to move, pinned, decoding) and leave no
-block held; a pool's step in flight finishes first (add and abort take its lock). A decode-side
+block held; for a pool whose step is in flight they are queued and applied when it ends, so
+the caller never waits for a long prefill step. A decode-side
 preemption recomputes there (the moved blocks are likely still its prefix cache).
 """
 
@@ -120,6 +121,7 @@ class PDEngine:
         self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="pool")
         self._running: dict[str, concurrent.futures.Future | None] = dict.fromkeys(POOLS)
         self._locks = {name: threading.Lock() for name in POOLS}
+        self._deferred: dict[str, list] = {name: [] for name in POOLS}  # adds and aborts for a busy pool
         self.decode_num_blocks = self.decode.num_blocks  # an out-of-range id: the scatter drops it
 
     # -- what LLMEngine offers -----------------------------------------------------------------
@@ -165,29 +167,50 @@ class PDEngine:
         base_seed = params.seed if params.seed is not None else self._seed + next(self._seed_counter)
         pending = _Pending(ids, params, time.monotonic() if arrival_time is None else arrival_time, kwargs,
                            base_seed, room if params.max_tokens is None else min(params.max_tokens, room))
-        with self._locks["prefill"]:  # waits for a prefill step in flight
-            self.prefill.add_request(request_id, ids, dataclasses.replace(params, max_tokens=1), pending.arrival,
-                                     base_seed=base_seed, **kwargs)
+        # Validated now (bad input raises here); queued into the prefill scheduler when the pool
+        # is between steps, so a long prefill step in flight never blocks the caller.
+        state = self.prefill.prepare_request(request_id, ids, dataclasses.replace(params, max_tokens=1),
+                                             pending.arrival, base_seed=base_seed, **kwargs)
+        self._deferred["prefill"].append(("add", request_id, state))
         self._prefilling[request_id] = pending
 
     def abort_request(self, request_id: str) -> bool:
-        """Wherever the request is; a pool stepping now finishes its step first (its lock)."""
+        """Wherever the request is. In a pool that is stepping, the abort happens as soon as
+        the step ends; its outputs are dropped from now on."""
         if self._ready.pop(request_id, None) is not None:
             return True  # its blocks stay in the prefill pool's cache
         if self._prefilling.pop(request_id, None) is not None:
-            with self._locks["prefill"]:
-                self.prefill.abort_request(request_id)
-            return True
-        if request_id in self._decoding:
+            self._deferred["prefill"].append(("abort", request_id, None))
+        elif request_id in self._decoding:
             self._decoding.discard(request_id)
-            with self._locks["decode"]:
-                self.decode.abort_request(request_id)
-            return True
-        return False
+            self._deferred["decode"].append(("abort", request_id, None))
+        else:
+            return False
+        self._apply_deferred()
+        return True
+
+    def _apply_deferred(self) -> list[RequestOutput]:
+        """The queued adds and aborts of every pool that is between steps; failed outputs."""
+        failed = []
+        for name, pool in zip(POOLS, self.engines):
+            if self._running[name] is not None:
+                continue
+            with self._locks[name]:
+                queued, self._deferred[name] = self._deferred[name], []
+                for op, request_id, state in queued:
+                    if op == "abort":
+                        pool.abort_request(request_id)
+                        continue
+                    try:
+                        pool.submit(state)
+                    except Exception as exc:  # this request fails; the pools serve on
+                        if self._prefilling.pop(request_id, None) is not None:
+                            failed.append(self._failed(state.output(), exc, "the prefill pool refused it"))
+        return failed
 
     def has_unfinished_requests(self) -> bool:
         """Also True while a pool's step is in flight: its outputs are still to come."""
-        return bool(self._prefilling or self._ready or self._decoding) or any(
+        return bool(self._prefilling or self._ready or self._decoding or any(self._deferred.values())) or any(
             f is not None for f in self._running.values())
 
     # -- the step -----------------------------------------------------------------------------
@@ -203,20 +226,22 @@ class PDEngine:
         if self.dead_reason is not None:
             raise EngineDeadError(f"the engine is dead: {self.dead_reason}")
         outputs = self._land_handovers()
-        self._launch()
+        outputs += self._launch()
         running = [f for f in self._running.values() if f is not None]
         if running:
             concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
         outputs += self._collect()
         outputs += self._land_handovers()
-        self._launch()
+        outputs += self._launch()
         return outputs
 
-    def _launch(self) -> None:
+    def _launch(self) -> list[RequestOutput]:
+        failed = self._apply_deferred()
         paused = len(self._ready) + self.decode.num_pending >= self.max_pending
         for name, pool in zip(POOLS, self.engines):
             if self._running[name] is None and pool.has_unfinished_requests() and not (name == "prefill" and paused):
                 self._running[name] = self._pool.submit(self._locked_step, name)
+        return failed
 
     def _locked_step(self, name: str):
         with self._locks[name]:
@@ -313,9 +338,8 @@ class PDEngine:
                                 **pending.kwargs)
 
     @staticmethod
-    def _failed(out: RequestOutput, exc: Exception) -> RequestOutput:
-        failed = [dataclasses.replace(c, finish_reason="abort", error=f"KV handover failed: {exc}")
-                  for c in out.outputs]
+    def _failed(out: RequestOutput, exc: Exception, what: str = "KV handover failed") -> RequestOutput:
+        failed = [dataclasses.replace(c, finish_reason="abort", error=f"{what}: {exc}") for c in out.outputs]
         return dataclasses.replace(out, outputs=failed, finished=True)
 
     def wait_idle(self) -> None:
@@ -326,6 +350,8 @@ class PDEngine:
 
     def reconfigure_scheduler(self, **changes):
         self.wait_idle()
+        self._collect()
+        self._apply_deferred()
         if self._ready:
             raise ValueError("reconfigure_scheduler needs an idle engine: KV transfers are pending")
         schedulers = [e.reconfigure_scheduler(**changes) for e in self.engines]
@@ -337,9 +363,11 @@ class PDEngine:
         waiting to move, or moved and not yet admitted), "decode"."""
         if request_id in self._prefilling:
             return "prefill"
-        if request_id in self._ready or self.decode.is_pinned(request_id):
+        if request_id in self._ready:
             return "transfer"
-        return "decode" if request_id in self._decoding else None
+        if request_id not in self._decoding:
+            return None
+        return "transfer" if self.decode.is_pinned(request_id) else "decode"
 
     def get_stats(self) -> EngineStats:
         per = [e.get_stats() for e in self.engines]
