@@ -54,7 +54,7 @@ def dense_logprobs(loaded):
     forward = jax.jit(lambda p, ids: jax.nn.log_softmax(forward_dense(p, loaded.config, ids), axis=-1))
 
     def run(ids):
-        x = np.zeros(-(-len(ids) // 64) * 64, np.int32)
+        x = np.zeros(-(-len(ids) // 128) * 128, np.int32)  # one compiled length for every prompt here
         x[: len(ids)] = ids
         return np.asarray(forward(params, jnp.asarray(x)))[: len(ids)].astype(np.float64)
 
