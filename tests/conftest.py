@@ -42,21 +42,49 @@ SHARED_ENGINE_MODULES = frozenset(f"tests/engine/{name}.py" for name in (
 REAL_SERVER_MODULES = frozenset(f"tests/entrypoints/{name}.py" for name in ("test_server_real", "test_server_structured"))
 
 
+# Worker-seconds of the longest work units in a fresh-clone run (BUILD_NOTES.md, "Test suite"):
+# units start longest first, so no long unit starts last while the other worker idles
+# (xdist's own reorder sorts units by their number of tests, which put the 4-test TP module and
+# its 100 s near the end). Units not listed follow, in collection order.
+UNIT_SECONDS = {
+    "shared-engines": 245, "tests/engine/test_tp_greedy.py": 96, "real-server": 90,
+    "tests/pallas_kernels/test_pallas_interpret.py": 62, "tests/engine/test_disaggregation.py": 60,
+    "tests/pallas_kernels/test_xla.py": 55, "tests/experiments/test_experiments_entry_points.py": 53,
+    "tests/entrypoints/test_server_hostile.py": 44, "tests/pallas_kernels/test_layers.py": 39,
+    "tests/models/test_reference_logits.py": 32, "tests/entrypoints/test_server_errors.py": 25,
+    "tests/entrypoints/test_server_load.py": 24, "tests/engine/test_tensor_parallel.py": 21,
+    "tests/models/test_paged_equals_dense.py": 19, "tests/entrypoints/test_server_tiny.py": 19,
+}
+
+
+def work_unit(nodeid: str) -> str:
+    """The xdist work unit of a test: its module (or class), or one of the shared groups."""
+    module = nodeid.split("::", 1)[0]
+    if module in SHARED_ENGINE_MODULES:
+        return "shared-engines"
+    if module in REAL_SERVER_MODULES:
+        return "real-server"
+    return nodeid.rsplit("::", 1)[0]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Longest work units first (UNIT_SECONDS), the same order on every worker."""
+    order = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (-UNIT_SECONDS.get(work_unit(item.nodeid), 0), order[id(item)]))
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """--dist loadscope (a module per work unit), with SHARED_ENGINE_MODULES as one unit and
-    REAL_SERVER_MODULES as another."""
+    REAL_SERVER_MODULES as another, handed out in collection order (longest first)."""
     if config.getvalue("dist") != "loadscope":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
+    config.option.loadscopereorder = False
+
     class SharedEngineScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0]
-            if module in SHARED_ENGINE_MODULES:
-                return "shared-engines"
-            if module in REAL_SERVER_MODULES:
-                return "real-server"
-            return nodeid.rsplit("::", 1)[0]
+            return work_unit(nodeid)
 
     return SharedEngineScheduling(config, log)
