@@ -60,13 +60,13 @@ class DecodePool:
     def write(self, dest_ids, k, v) -> None:
         self.scatter.write(dest_ids, k, v)
 
-    def add_request(self, request_id: str, *args, **kwargs) -> None:
+    def add_request(self, request_id: str, prompt_ids, params, arrival, **kwargs) -> None:
         try:
-            self.engine.add_request(request_id, *args, **kwargs)
+            self.engine.add_request(request_id, prompt_ids, params, arrival, **kwargs)
         except Exception:
             self._unpin(request_id)
             raise
-        self._n[request_id] = args[1].n  # args: prompt ids, SamplingParams, arrival
+        self._n[request_id] = params.n
 
     def abort_request(self, request_id: str) -> bool:
         self._forget(request_id)
