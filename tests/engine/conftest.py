@@ -1,5 +1,9 @@
 """One compiled engine on the default model, shared by the engine tests of the whole session.
 
+Its buckets: 1 and 8 tokens with 8 rows (one request alone, a batch of up to 8 decoding), 32
+and 128 tokens with 32 rows (the 50-schema batch decodes 32 at a time: on this CPU a 32-row
+step costs little more than an 8-row one, whose time is mostly reading the weights).
+
 Scheduler knobs do not change compiled shapes, so tests that need another token budget, prefix
 caching on or off, or a smaller KV pool get a new scheduler over the same runner
 (`scheduler_as`, through LLMEngine.reconfigure_scheduler) instead of compiling a new engine.
@@ -12,8 +16,8 @@ import pytest
 from engine.config import EngineConfig
 
 ENGINE_KNOBS = dict(
-    model="default", max_num_seqs=8, max_num_batched_tokens=128, max_model_len=256,
-    block_size=16, num_kv_blocks=8 * 16 + 1, token_buckets=(1, 16, 32, 128), seq_buckets=(8,),
+    model="default", max_num_seqs=32, max_num_batched_tokens=128, max_model_len=256,
+    block_size=16, num_kv_blocks=16 * 16 + 1, token_buckets=(1, 8, 32, 128), seq_buckets=(8, 32),
     compilation_cache_dir=None,
 )
 

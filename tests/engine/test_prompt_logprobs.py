@@ -16,7 +16,10 @@ from models.llama import forward_dense
 from scheduler import Request, Scheduler, SchedulerConfig, StepResult
 from tests.engine.conftest import run_to_completion, scheduler_as, spec_off
 
-QUESTION = "Explain in two short sentences why the sky is blue during the day."
+QUESTION = ("Explain in two short sentences why the sky is blue during the day, why it turns red and "
+            "orange at sunset, why clouds look white or grey, and why the sky at night is dark even "
+            "though the universe holds countless stars. Use plain words a child would understand, "
+            "and do not use any formulas or numbers in the answer at all.")
 
 
 @pytest.fixture(scope="module")

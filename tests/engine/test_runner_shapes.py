@@ -13,14 +13,15 @@ from engine.buckets import Bucket, default_buckets
 
 def test_buckets_are_declared_and_a_shape_outside_is_an_error(engine):
     shapes = engine.runner.shapes
-    assert shapes.buckets() == [Bucket(1, 8, 1), Bucket(16, 8, 8), Bucket(32, 8, 8), Bucket(128, 8, 8)]
+    assert shapes.buckets() == [Bucket(1, 8, 1), Bucket(8, 8, 8), Bucket(32, 32, 32), Bucket(128, 32, 32)]
     assert set(engine.runner._compiled) == set(shapes.buckets())  # all compiled at start-up
-    assert shapes.bucket_for(1, 1) == Bucket(1, 8, 1) and shapes.bucket_for(3, 2) == Bucket(16, 8, 8)
-    assert shapes.bucket_for(17, 8) == Bucket(32, 8, 8)
+    assert shapes.bucket_for(1, 1) == Bucket(1, 8, 1) and shapes.bucket_for(3, 2) == Bucket(8, 8, 8)
+    assert shapes.bucket_for(17, 8) == Bucket(32, 32, 32)
+    assert shapes.bucket_for(8, 9) == Bucket(32, 32, 32)  # 9 rows: past the 8-row bucket
     with pytest.raises(ValueError, match="token bucket"):
         shapes.bucket_for(129, 1)
     with pytest.raises(ValueError, match="sampled positions"):
-        shapes.bucket_for(16, 2, num_logits=9)
+        shapes.bucket_for(8, 2, num_logits=33)
     with pytest.raises(ValueError, match="not a declared bucket"):
         engine.runner._executable(Bucket(64, 8, 8))
     assert default_buckets(256) == (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -28,7 +29,7 @@ def test_buckets_are_declared_and_a_shape_outside_is_an_error(engine):
 
 
 def test_kv_cache_is_donated_and_aliased_in_place(engine):
-    hlo = engine.runner._compiled[Bucket(16, 8, 8)].as_text()
+    hlo = engine.runner._compiled[Bucket(8, 8, 8)].as_text()
     # The stacked K and V caches and the request table's arrays alias outputs: the step writes
     # the donated buffers in place (2 caches + 10 table arrays).
     num_aliases = hlo.count("may-alias") + hlo.count("must-alias")

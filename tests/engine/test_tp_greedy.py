@@ -20,9 +20,9 @@ from tests.engine.conftest import run_to_completion
 NEW_TOKENS = 8
 SYSTEM = ("You are a careful assistant. Answer in plain words, keep it short, and do not repeat "
           "the question. Prefer facts to opinions, and say when you do not know.")
-QUESTIONS = ["Why is the sky blue?", "Name three prime numbers.", "What is 12 times 7?",
-             "Write a haiku about autumn leaves.", "Hi", "Explain what a hash map is, briefly.",
-             ]
+# Four prompts of 51-59 tokens in an 8-block (128-token) pool: two fit at a time, so the later
+# ones hit the system prompt the earlier ones cached, and growing ones are preempted.
+QUESTIONS = ["Why is the sky blue?", "What is 12 times 7?", "Hi", "Explain what a hash map is, briefly."]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2)
 KNOBS = dict(model="default", max_num_seqs=8, max_num_batched_tokens=32, max_model_len=112,
              num_kv_blocks=8, token_buckets=(32,), seq_buckets=(8,), compilation_cache_dir=None)
@@ -53,10 +53,15 @@ def dense_logprobs(loaded):
     params = jax.device_put(stack_layers(loaded.params))
     forward = jax.jit(lambda p, ids: jax.nn.log_softmax(forward_dense(p, loaded.config, ids), axis=-1))
 
+    memo = {}  # the three engines mostly produce the same tokens: one dense forward each
+
     def run(ids):
-        x = np.zeros(-(-len(ids) // 128) * 128, np.int32)  # one compiled length for every prompt here
-        x[: len(ids)] = ids
-        return np.asarray(forward(params, jnp.asarray(x)))[: len(ids)].astype(np.float64)
+        key = tuple(ids)
+        if key not in memo:
+            x = np.zeros(-(-len(ids) // 128) * 128, np.int32)  # one compiled length for every prompt here
+            x[: len(ids)] = ids
+            memo[key] = np.asarray(forward(params, jnp.asarray(x)))[: len(ids)].astype(np.float64)
+        return memo[key]
 
     return run
 

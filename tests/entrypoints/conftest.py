@@ -13,8 +13,10 @@ from server_launcher import ROOT, ServerProcess  # noqa: E402
 REAL_MODEL = "SmolLM2-135M-Instruct"
 REAL_MAX_MODEL_LEN = 256
 REAL_FLAGS = (
-    "--model=default", "--max_num_seqs=8", "--max_num_batched_tokens=128", f"--max_model_len={REAL_MAX_MODEL_LEN}",
-    "--block_size=16", "--num_kv_blocks=129", "--token_buckets=16,32,128", "--seq_buckets=8",
+    # The shapes of the engine tests' shared engine (tests/engine/conftest.py ENGINE_KNOBS): the
+    # server then finds its executables in the persistent compilation cache that engine wrote.
+    "--model=default", "--max_num_seqs=32", "--max_num_batched_tokens=128", f"--max_model_len={REAL_MAX_MODEL_LEN}",
+    "--block_size=16", "--num_kv_blocks=257", "--token_buckets=1,8,32,128", "--seq_buckets=8,32",
     "--compilation_cache_dir=" + os.environ.get("JAXSERVE_COMPILATION_CACHE", str(ROOT / ".cache" / "jax")),
 )
 

@@ -3,6 +3,7 @@ on the default model (the session's real_server): forced tool calls validate aga
 schema and stream into the same call, `chat.completions.parse` with a Pydantic model, vLLM's
 structured_outputs, logit_bias, /tokenize and /detokenize."""
 
+import concurrent.futures
 import json
 
 import jsonschema
@@ -49,7 +50,12 @@ def _streamed_calls(chunks) -> tuple[list[dict], str | None]:
 def test_forced_tool_calls_validate_and_stream_into_the_same_call(client, tool_choice):
     kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=tool_choice, max_tokens=40,
                   temperature=1.0, seed=7)
-    whole = client.chat.completions.create(**kwargs)
+    # Both at once (one batch, half the steps): seeded sampling gives a request the same tokens
+    # whatever shares its batch.
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        streaming = pool.submit(lambda: list(client.chat.completions.create(stream=True, **kwargs)))
+        whole = client.chat.completions.create(**kwargs)
+        chunks = streaming.result()
     choice = whole.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     (call,) = choice.message.tool_calls
@@ -57,7 +63,7 @@ def test_forced_tool_calls_validate_and_stream_into_the_same_call(client, tool_c
         assert call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
     assert call.id.startswith("call_") and call.type == "function"
-    streamed, finish = _streamed_calls(client.chat.completions.create(stream=True, **kwargs))
+    streamed, finish = _streamed_calls(chunks)
     assert finish == "tool_calls"
     assert streamed == [{"name": call.function.name, "arguments": call.function.arguments}]
 

@@ -1,6 +1,6 @@
 """A stacked [L, num_blocks, block_size, Hkv, D] cache: every layer, unrolled and under lax.scan.
 
-One step of a 3-layer "model": prepare the metadata once, then per layer write this step's K/V
+One step of a 2-layer "model": prepare the metadata once, then per layer write this step's K/V
 into that layer's slots (write_kv) and attend over that layer's pages. The layer is a Python int
 (unrolled loop) or the traced index of a lax.scan whose carry is the cache. Each layer's output
 is checked against the float64 oracle on that layer's cache after the write, and the final cache
@@ -27,7 +27,7 @@ from tests.pallas_kernels.cases import (
     tolerance,
 )
 
-NUM_LAYERS = 3
+NUM_LAYERS = 2
 LAYER_CASES = [
     Case(
         "mixed-gqa-padded",
