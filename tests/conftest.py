@@ -47,13 +47,13 @@ REAL_SERVER_MODULES = frozenset(f"tests/entrypoints/{name}.py" for name in ("tes
 # (xdist's own reorder sorts units by their number of tests, which put the 4-test TP module and
 # its 100 s near the end). Units not listed follow, in collection order.
 UNIT_SECONDS = {
-    "shared-engines": 245, "tests/engine/test_tp_greedy.py": 96, "real-server": 90,
-    "tests/pallas_kernels/test_pallas_interpret.py": 62, "tests/engine/test_disaggregation.py": 60,
-    "tests/pallas_kernels/test_xla.py": 55, "tests/experiments/test_experiments_entry_points.py": 53,
-    "tests/entrypoints/test_server_hostile.py": 44, "tests/pallas_kernels/test_layers.py": 39,
-    "tests/models/test_reference_logits.py": 32, "tests/entrypoints/test_server_errors.py": 25,
-    "tests/entrypoints/test_server_load.py": 24, "tests/engine/test_tensor_parallel.py": 21,
-    "tests/models/test_paged_equals_dense.py": 19, "tests/entrypoints/test_server_tiny.py": 19,
+    "shared-engines": 229, "real-server": 55, "tests/pallas_kernels/test_pallas_interpret.py": 53,
+    "tests/engine/test_disaggregation.py": 47, "tests/engine/test_tp_greedy.py": 45,
+    "tests/experiments/test_experiments_entry_points.py": 41, "tests/entrypoints/test_server_hostile.py": 37,
+    "tests/pallas_kernels/test_xla.py": 30, "tests/models/test_reference_logits.py": 24,
+    "tests/pallas_kernels/test_layers.py": 24, "tests/entrypoints/test_server_load.py": 23,
+    "tests/models/test_paged_equals_dense.py": 16, "tests/engine/test_tensor_parallel.py": 15,
+    "tests/entrypoints/test_server_tiny.py": 12,
 }
 
 

@@ -18,6 +18,7 @@ from tests.engine.conftest import run_to_completion, scheduler_as
 
 NEW_TOKENS = 24
 ALONE_TOKENS = 12
+SMALL_CACHE_TOKENS = 16
 SYSTEM = ("You are a careful assistant. Answer in plain words, keep it short, and do not repeat "
           "the question. Prefer facts to opinions.")
 QUESTIONS = ["Why is the sky blue?", "Name three prime numbers.", "What is 12 times 7?",
@@ -98,9 +99,11 @@ def test_chunked_prefill_with_prefix_caching(engine, prompts, together):
 
 def test_small_cache_preempts_and_still_matches(engine, prompts, together):
     # 32 usable blocks (512 tokens) admit every prompt (43-60 tokens: 3-4 blocks each) but not
-    # eight growing requests (67-84 tokens, 5-6 blocks each by the end): some are preempted and
-    # recomputed.
+    # eight growing requests (59-76 tokens after SMALL_CACHE_TOKENS, 4-5 blocks each by the end):
+    # some are preempted and recomputed. Their tokens are a prefix of the batched run's.
+    params = SamplingParams(temperature=0.0, max_tokens=SMALL_CACHE_TOKENS, ignore_eos=True)
     with scheduler_as(engine, enable_prefix_caching=False, num_kv_blocks=33) as sched:
-        outs = run_to_completion(engine, [(f"s{i}", p, GREEDY) for i, p in enumerate(prompts)])
+        outs = run_to_completion(engine, [(f"s{i}", p, params) for i, p in enumerate(prompts)])
         assert sched.stats.num_preemptions > 0
-    assert [outs[f"s{i}"].outputs[0].token_ids for i in range(len(prompts))] == together
+    assert [outs[f"s{i}"].outputs[0].token_ids for i in range(len(prompts))] == [
+        t[:SMALL_CACHE_TOKENS] for t in together]
