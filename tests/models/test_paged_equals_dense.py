@@ -14,6 +14,8 @@ from models.llama import forward_dense, forward_paged, fuse_projections, stack_l
 from models.random_weights import random_params
 from tests.models.paged_batch import make_batch
 
+pytestmark = pytest.mark.usefixtures("fast_compile")  # random tiny shapes: -O0 (tests/conftest.py)
+
 BLOCK_SIZE = 16
 NUM_BLOCKS = 64
 

@@ -8,7 +8,12 @@ machine. Everything else (interpret mode, lowering/export checks) runs on the CP
 """
 
 import jax
+import pytest
 
+
+@pytest.fixture(autouse=True)
+def _kernel_tests_compile_fast(fast_compile):
+    """Tiny arrays: -O0 (tests/conftest.py, fast_compile)."""
 
 def _has_platform(platform: str) -> bool:
     try:
