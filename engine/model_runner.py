@@ -40,7 +40,7 @@ from engine.request_table import RequestTable
 from engine.sampler import sample
 from engine.step_inputs import BatchBuilder, StepLayout
 from models.config import ModelConfig
-from models.llama import forward_paged, fuse_projections, pack_layer_bits
+from models.llama import forward_paged, fuse_projections, pack_layer_bits, stack_layers
 from scheduler import SchedulerOutput, StepResult, TokenLogprobs
 
 _compile_events = [0]
@@ -75,14 +75,11 @@ class ModelRunner:
             # stacked 16-bit layers as their bits.
             # (Host arrays, a LoadedModel shared with sharded engines, move to the device here.)
             params = jax.tree.map(jnp.asarray, params)
-            # Under scan_layers the layers stay separate buffers (models/llama._switch_scan).
-            self.params = fuse_projections(params)
-            if not isinstance(self.params["layers"], list):  # already stacked: the stacked scan
-                self.params = pack_layer_bits(self.params)
+            self.params = pack_layer_bits(fuse_projections(stack_layers(params) if scan_layers else params))
             self.kv_cache = allocate_kv_cache(model_config, shapes.num_blocks, shapes.block_size, dtype,
                                               bits=bits)
-            forward = functools.partial(_forward_plain, config=model_config, attention_backend=attention_backend,
-                                        interpret=interpret, switch_layers=scan_layers)
+            forward = functools.partial(_forward_plain, config=model_config,
+                                        attention_backend=attention_backend, interpret=interpret)
         else:
             # On a mesh (engine/placement.py): params already padded, fused per shard and placed
             # shard by shard; the cache split on KV heads; inputs and the table replicated.
@@ -303,9 +300,9 @@ class ModelRunner:
         return StepResult(req_ids, tokens, logprobs if any_logprobs else None, rejected, prompt_logprobs)
 
 
-def _forward_plain(params, kv_cache, inputs, *, config, attention_backend, interpret, switch_layers):
+def _forward_plain(params, kv_cache, inputs, *, config, attention_backend, interpret):
     return forward_paged(params, config, kv_cache, inputs, attention_backend=attention_backend,
-                         interpret=interpret, switch_layers=switch_layers)
+                         interpret=interpret)
 
 
 def _step(params, kv_cache, table, flat, token_mask, *, layout: StepLayout, forward, num_logprobs,

@@ -8,13 +8,10 @@ Parameters (a plain dict pytree):
     layer: attn_norm [e], wq [e, h, d], wk [e, k, d], wv [e, k, d], (bq [h, d], bk [k, d],
            bv [k, d] with attention_bias), wo [h, d, e], mlp_norm [e], w_gate [e, f], w_up [e, f],
            w_down [f, e]
-    `layers` is either a list with one such dict per layer (the loaders' layout, and what the
-    runner serves; `forward_paged` unrolls the layer loop, or with `switch_layers` runs a
-    `lax.scan` over the layer index whose body picks the layer's weight products by `lax.switch`,
-    so each layer's weights are read in place) or one dict of the same names stacked on a
-    leading layer axis [n, ...] (`stack_layers`; a `lax.scan` over the stacked weights, which
-    XLA:CPU slices out, a copy of each layer per step; the tensor-parallel placement uses it).
-    Both scans compile the attention once per bucket whatever the depth.
+    `layers` is either a list with one such dict per layer (the loaders' layout; the step unrolls
+    the layer loop) or one dict of the same names stacked on a leading layer axis [n, ...]
+    (`stack_layers`; the step is a `lax.scan` over layers, which compiles once per bucket
+    whatever the depth).
     A stacked 16-bit model may hold its layers as uint16 bits (`pack_layer_bits`, what the runner
     serves; read as the embedding's dtype).
     Fused layout (`fuse_projections`, what the runner serves): wqkv [e, h + 2k, d] (q heads,
@@ -210,7 +207,7 @@ def forward_dense(params: dict, config: ModelConfig, token_ids: jax.Array) -> ja
     """Logits [t, v] (float32) for one sequence of token ids [t], no cache.
 
     Causal, so trailing padding never changes the logits of the positions before it: callers jit
-    it at a few padded lengths (tests do). The layers run as a lax.scan (fast to compile)."""
+    it at a few padded lengths (tests do). Stacked layers run as a lax.scan (fast to compile)."""
     inv_freq = jnp.asarray(rope_inv_freq(config), jnp.float32)
     positions = jnp.arange(token_ids.shape[0], dtype=jnp.int32)
     sm_scale = 1.0 / math.sqrt(config.head_dim)
@@ -225,12 +222,13 @@ def forward_dense(params: dict, config: ModelConfig, token_ids: jax.Array) -> ja
         return x + _mlp(layer, rms_norm(x, layer["mlp_norm"], config.rms_norm_eps))
 
     x = embed_tokens(params["embed"], token_ids)
-    # A list of layers (the engine's layout) is stacked here, inside the caller's jit: one copy of
-    # the weights per call, but one compiled layer instead of an unrolled loop (a reference forward
-    # runs a few times, its compile time is what tests pay).
-    dtype = params["embed"].dtype
-    x, _ = jax.lax.scan(lambda x, layer: (layer_step(x, unpack_layer(layer, dtype)), None), x,
-                        stack_layers(params)["layers"])
+    if isinstance(params["layers"], list):
+        for layer in params["layers"]:
+            x = layer_step(x, layer)
+    else:
+        dtype = params["embed"].dtype
+        x, _ = jax.lax.scan(lambda x, layer: (layer_step(x, unpack_layer(layer, dtype)), None), x,
+                            params["layers"])
     return _logits(params, rms_norm(x, params["final_norm"], config.rms_norm_eps))
 
 
@@ -243,7 +241,6 @@ def forward_paged(
     attention_backend: str = "xla",
     interpret: bool = False,
     tp_axis: str | None = None,
-    switch_layers: bool = False,
 ):
     """One step over a ragged batch; returns ((k_cache, v_cache), logits [L, v] float32).
 
@@ -288,10 +285,7 @@ def forward_paged(
         x = _embed_vocab_parallel(params["embed"], batch.input_ids, tp_axis)
     k_cache, v_cache = kv_cache
     layers = params["layers"]
-    if isinstance(layers, list) and switch_layers:
-        x, k_cache, v_cache = _switch_scan(x, k_cache, v_cache, layers, batch, md, reduce, inv_freq, config,
-                                           kv_dtype, sm_scale, attention_backend, interpret)
-    elif isinstance(layers, list):
+    if isinstance(layers, list):
         for index, layer in enumerate(layers):
             x, k_cache, v_cache = layer_step(x, k_cache, v_cache, layer, index)
     else:
@@ -306,45 +300,6 @@ def forward_paged(
     if tp_axis is not None:
         logits = jax.lax.all_gather(logits, tp_axis, axis=1, tiled=True)
     return (k_cache, v_cache), logits
-
-
-def _switch_scan(x, k_cache, v_cache, layers, batch, md, reduce, inv_freq, config, kv_dtype, sm_scale,
-                 attention_backend, interpret):
-    """The layers as a lax.scan over the layer index whose body picks that layer's weight
-    products with lax.switch: every layer keeps its own weight buffers, read in place (a scan over
-    stacked weights slices each layer's out, a copy XLA:CPU makes before every dot), while the
-    attention and the cache writes are compiled once (the switch branches hold only the products,
-    norms and RoPE). The all-reduces of tensor parallelism stay outside the branches."""
-    eps = config.rms_norm_eps
-
-    def qkv_of(layer):
-        return lambda x: _qkv(layer, rms_norm(x, layer["attn_norm"], eps), batch.positions, inv_freq, config,
-                              kv_dtype)
-
-    def o_of(layer):
-        return lambda attn: _proj("thd,hde->te", attn, layer["wo"])
-
-    def mlp_of(layer):
-        return lambda x: _mlp(layer, rms_norm(x, layer["mlp_norm"], eps))
-
-    qkv_branches = [qkv_of(layer) for layer in layers]
-    o_branches = [o_of(layer) for layer in layers]
-    mlp_branches = [mlp_of(layer) for layer in layers]
-
-    def body(carry, index):
-        x, k_cache, v_cache = carry
-        q, k, v = jax.lax.switch(index, qkv_branches, x)
-        k_cache, v_cache = write_kv(k_cache, v_cache, k, v, batch.slot_mapping, layer=index)
-        attn = ragged_paged_attention(
-            q, k_cache, v_cache, md, layer=index, sm_scale=sm_scale,
-            sliding_window=config.sliding_window, backend=attention_backend, interpret=interpret)
-        x = x + reduce(jax.lax.switch(index, o_branches, attn))
-        x = x + reduce(jax.lax.switch(index, mlp_branches, x))
-        return (x, k_cache, v_cache), None
-
-    indices = jnp.arange(len(layers), dtype=jnp.int32)
-    (x, k_cache, v_cache), _ = jax.lax.scan(body, (x, k_cache, v_cache), indices)
-    return x, k_cache, v_cache
 
 
 def _embed_vocab_parallel(embed: jax.Array, token_ids: jax.Array, axis: str) -> jax.Array:
