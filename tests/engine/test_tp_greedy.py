@@ -1,11 +1,11 @@
 """Tensor parallelism on the default model (9 q / 3 KV heads, padded to 12 / 4): greedy tokens of
-TP = 4 and DP = 2 x TP = 2 equal the dense no-cache forward on one device (teacher forcing, as
-test_greedy_equivalence checks TP = 1) up to the first near-tie (the dense top-2 margin < 0.02),
-and the first token's logprob agrees within 1e-4, batched with chunked prefill (32-token budget,
-prompts longer than that), with prefix caching (a shared system prompt, a second wave that hits
+TP = 2, TP = 4 and DP = 2 x TP = 2 equal the dense no-cache forward on one device (teacher
+forcing, as test_greedy_equivalence checks TP = 1) up to the first near-tie (the dense top-2
+margin < 0.02), and the first token's logprob agrees within 1e-4, batched with chunked prefill
+(32-token budget, prompts longer than that), with prefix caching (a shared system prompt, a second wave that hits
 it) and under preemption (a KV pool too small for the batch), all in one run per engine; the
-DP = 2 x TP = 2 engine is a DPEngine over the 4 devices, each replica the TP = 2 program. One
-load, two engines; nothing recompiles after warm-up."""
+DP = 2 x TP = 2 engine is a DPEngine over the 4 devices. One load, three engines, one dense
+forward per distinct token sequence; nothing recompiles after warm-up."""
 
 import jax
 import jax.numpy as jnp
@@ -20,9 +20,10 @@ from tests.engine.conftest import run_to_completion
 NEW_TOKENS = 8
 SYSTEM = ("You are a careful assistant. Answer in plain words, keep it short, and do not repeat "
           "the question. Prefer facts to opinions, and say when you do not know.")
-# Four prompts of 51-59 tokens in an 8-block (128-token) pool: two fit at a time, so the later
+# Six prompts of 51-59 tokens in an 8-block (128-token) pool: two fit at a time, so the later
 # ones hit the system prompt the earlier ones cached, and growing ones are preempted.
-QUESTIONS = ["Why is the sky blue?", "What is 12 times 7?", "Hi", "Explain what a hash map is, briefly."]
+QUESTIONS = ["Why is the sky blue?", "Name three prime numbers.", "What is 12 times 7?",
+             "Write a haiku about autumn leaves.", "Hi", "Explain what a hash map is, briefly."]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2)
 KNOBS = dict(model="default", max_num_seqs=8, max_num_batched_tokens=32, max_model_len=112,
              num_kv_blocks=8, token_buckets=(32,), seq_buckets=(8,), compilation_cache_dir=None)
@@ -40,9 +41,8 @@ def engines(loaded):
     from engine.dp_engine import DPEngine
     from engine.llm_engine import LLMEngine
 
-    # TP = 2 runs inside each replica of the DP = 2 x TP = 2 engine (the same sharded program a
-    # TP = 2 engine compiles: 9 -> 12 query heads, 3 -> 4 KV heads), so no separate TP = 2 engine.
-    out = {4: LLMEngine(EngineConfig(**KNOBS, tensor_parallel_size=4), progress=False, loaded=loaded)}
+    out = {tp: LLMEngine(EngineConfig(**KNOBS, tensor_parallel_size=tp), progress=False, loaded=loaded)
+           for tp in (2, 4)}
     out["dp2xtp2"] = DPEngine(EngineConfig(**KNOBS, tensor_parallel_size=2, data_parallel_size=2),
                               progress=False, loaded=loaded)
     return out
@@ -114,7 +114,7 @@ def outputs(engines, prompts):
     return outs
 
 
-@pytest.mark.parametrize("tp", [4, "dp2xtp2"])
+@pytest.mark.parametrize("tp", [2, 4, "dp2xtp2"])
 def test_batched_chunked_prefix_cached_preempted_equal_the_dense_forward(prompts, outputs, dense_logprobs, tp):
     _assert_dense(prompts, outputs[tp], dense_logprobs)
 
