@@ -2,10 +2,10 @@
 TP = 2, TP = 4 and DP = 2 x TP = 2 equal the dense no-cache forward on one device (teacher
 forcing, as test_greedy_equivalence checks TP = 1) up to the first near-tie (the dense top-2
 margin < 0.02), and the first token's logprob agrees within 1e-4, batched with chunked prefill
-(32-token budget, prompts longer than that), with prefix caching (a shared system prompt, a second wave that hits
-it) and under preemption (a KV pool too small for the batch), all in one run per engine; the
-DP = 2 x TP = 2 engine is a DPEngine over the 4 devices. One load, three engines, one dense
-forward per distinct token sequence; nothing recompiles after warm-up."""
+(32-token budget, prompts longer than that), with prefix caching (a shared system prompt, a
+second wave that hits it) and under preemption (a KV pool too small for the batch), all in one
+run per engine; the DP = 2 x TP = 2 engine is a DPEngine over the 4 devices. One load, three
+engines, one dense forward per distinct token sequence; nothing recompiles after warm-up."""
 
 import jax
 import jax.numpy as jnp
