@@ -71,7 +71,7 @@ REAL_SERVER_MODULES = frozenset(f"tests/entrypoints/{name}.py" for name in ("tes
 # its 100 s near the end). Units not listed follow, in collection order.
 UNIT_SECONDS = {
     "shared-engines": 229, "real-server": 55, "tests/pallas_kernels/test_pallas_interpret.py": 53,
-    "tests/engine/test_disaggregation.py": 47, "tests/engine/test_tp_greedy.py": 45,
+    "tests/engine/test_disaggregation.py": 47, "tests/engine/test_tp_greedy.py": 65,
     "tests/experiments/test_experiments_entry_points.py": 41, "tests/entrypoints/test_server_hostile.py": 37,
     "tests/pallas_kernels/test_xla.py": 30, "tests/models/test_reference_logits.py": 24,
     "tests/pallas_kernels/test_layers.py": 24, "tests/entrypoints/test_server_load.py": 23,
