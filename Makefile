@@ -15,7 +15,7 @@ SERVE_FLAGS ?=
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
-	# uv installs the same pinned set as pip in about 12 s instead of 49 s on 2 cores (parallel
+	# uv installs the same pinned set as pip in about 17 s instead of 49 s on 2 cores (parallel
 	# downloads, no byte-compiling: Python compiles the modules it imports on first use). pip
 	# stays the fallback where uv cannot reach the index (it does not read pip.conf).
 	$(PY) -m pip install -q uv==0.13.9 && \

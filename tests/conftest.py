@@ -32,7 +32,7 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 # Kernel and layer tests run arrays of a few kilobytes: compile time is all they spend, and XLA at
 # -O0 compiles their programs in half the time (tests/pallas_kernels, test_paged_equals_dense:
-# 99 -> 74 s cold on this CPU). They get it through `fast_compile`, which makes jax.jit pass these
+# 99 -> 84 s cold on this CPU). They get it through `fast_compile`, which makes jax.jit pass these
 # options while a test runs; tests that assert on compiled HLO compile with PRODUCTION_COMPILER
 # explicitly, and the default-model tests keep -O1 (their steps run 3-5x slower at -O0).
 FAST_COMPILER = {"xla_backend_optimization_level": 0}

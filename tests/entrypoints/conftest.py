@@ -10,13 +10,18 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from server_launcher import ROOT, ServerProcess  # noqa: E402
 
+from tests.engine.conftest import ENGINE_KNOBS  # noqa: E402
+
 REAL_MODEL = "SmolLM2-135M-Instruct"
-REAL_MAX_MODEL_LEN = 256
+REAL_MAX_MODEL_LEN = ENGINE_KNOBS["max_model_len"]
+# The shapes of the engine tests' shared engine (tests/engine/conftest.py ENGINE_KNOBS): the
+# server then finds its executables in the persistent compilation cache that engine wrote.
+_SHARED = {name: ENGINE_KNOBS[name] for name in (
+    "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_kv_blocks")}
 REAL_FLAGS = (
-    # The shapes of the engine tests' shared engine (tests/engine/conftest.py ENGINE_KNOBS): the
-    # server then finds its executables in the persistent compilation cache that engine wrote.
-    "--model=default", "--max_num_seqs=32", "--max_num_batched_tokens=128", f"--max_model_len={REAL_MAX_MODEL_LEN}",
-    "--block_size=16", "--num_kv_blocks=257", "--token_buckets=1,8,32,128", "--seq_buckets=8,32",
+    "--model=default", *(f"--{name}={value}" for name, value in _SHARED.items()),
+    "--token_buckets=" + ",".join(map(str, ENGINE_KNOBS["token_buckets"])),
+    "--seq_buckets=" + ",".join(map(str, ENGINE_KNOBS["seq_buckets"])),
     "--compilation_cache_dir=" + os.environ.get("JAXSERVE_COMPILATION_CACHE", str(ROOT / ".cache" / "jax")),
 )
 
