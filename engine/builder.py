@@ -12,7 +12,7 @@ import time
 import jax
 
 from engine.buckets import RunnerShapes, max_logit_rows, resolve_seq_buckets, resolve_token_buckets
-from engine.config import EngineConfig, resolve_dtype, resolve_scan_layers
+from engine.config import EngineConfig, resolve_dtype, resolve_layer_loop
 from engine.kv_cache import num_blocks_for
 from engine.model_runner import ModelRunner
 from models.loader import load_model
@@ -83,12 +83,12 @@ def build_parts(config: EngineConfig, *, progress: bool = True, mesh=None, loade
         loaded = load_model(config.model, dtype=dtype, seed=config.seed, tokenizer=config.tokenizer,
                             progress=progress, cache_dir=config.weights_cache_dir, host=mesh is not None)
     placement, params, kv_config = None, loaded.params, loaded.config
-    scan_layers = resolve_scan_layers(config, platform)
+    layer_loop = resolve_layer_loop(config, platform)
     if mesh is not None:
         from engine.placement import Placement
 
         placement = Placement.for_mesh(mesh, loaded.config)
-        params = placement.place(loaded.params, loaded.config, dtype=dtype, scan_layers=scan_layers)
+        params = placement.place(loaded.params, loaded.config, dtype=dtype, layer_loop=layer_loop)
         kv_config = placement.layout.local  # per device: its KV heads, after its weight shards
     load_seconds = time.perf_counter() - start
     limit = loaded.config.max_position_embeddings
@@ -118,7 +118,7 @@ def build_parts(config: EngineConfig, *, progress: bool = True, mesh=None, loade
                             if config.speculative_config is not None else 0))
     start = time.perf_counter()
     runner = ModelRunner(loaded.config, params, shapes, dtype=dtype, attention_backend=backend,
-                         interpret=config.interpret, scan_layers=scan_layers,
+                         interpret=config.interpret, layer_loop=layer_loop,
                          precompile=config.precompile,
                          background_compile=config.background_compile, progress=progress, placement=placement)
     proposer = None
@@ -159,7 +159,7 @@ def build_draft_proposer(config: EngineConfig, shapes: RunnerShapes, target, *, 
         shapes, token_buckets=(*shapes.token_buckets, shapes.token_buckets[-1] + shapes.max_num_seqs),
         num_logprobs=0, logits_per_seq=1, sample_vocab_size=min(shapes.sample_vocab_size, draft.config.vocab_size))
     runner = ModelRunner(draft.config, draft.params, draft_shapes, dtype=dtype, attention_backend=backend,
-                         interpret=config.interpret, scan_layers=resolve_scan_layers(config, platform),
+                         interpret=config.interpret, layer_loop=resolve_layer_loop(config, platform),
                          precompile=config.precompile,
                          background_compile=config.background_compile, progress=progress)
     return DraftModelProposer(runner, spec.num_speculative_tokens)

@@ -26,7 +26,8 @@ class EngineConfig:
     dtype: str | None = None  # None: float32 on the CPU, bfloat16 on accelerators
     attention_backend: str = "auto"  # auto: Pallas on TPU/GPU, xla on the CPU
     interpret: bool = False  # run Pallas kernels in interpret mode (CPU tests)
-    scan_layers: bool | None = None  # lax.scan over stacked layers; None: the platform's default
+    scan_layers: bool | None = None  # compile one layer (a lax.scan over layers); None: the platform's default
+    stack_layer_weights: bool | None = None  # under scan_layers: weights stacked on a layer axis (True) or per-layer buffers picked by lax.switch (False); None: the platform's default
     max_num_seqs: int = 32  # requests in one step
     max_num_batched_tokens: int = 256  # tokens in one step (the token budget)
     max_model_len: int | None = None  # None: min(model context, 4096)
@@ -94,8 +95,10 @@ class EngineConfig:
             raise ValueError("EngineConfig.coordinator_address (HOST:PORT) is needed with num_processes > 1")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"EngineConfig.seed must be an integer, got {self.seed!r}")
-        if self.scan_layers is not None and not isinstance(self.scan_layers, bool):
-            raise ValueError(f"EngineConfig.scan_layers must be a boolean or None, got {self.scan_layers!r}")
+        for name in ("scan_layers", "stack_layer_weights"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"EngineConfig.{name} must be a boolean or None, got {value!r}")
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "interpret", "precompile",
                      "background_compile"):
             if not isinstance(getattr(self, name), bool):
@@ -169,8 +172,26 @@ def resolve_scan_layers(config: EngineConfig, platform: str) -> bool:
     return SCAN_LAYERS_DEFAULT.get(platform, True)
 
 
+def resolve_layer_loop(config: EngineConfig, platform: str) -> str:
+    """How the compiled step runs the layers (one of LAYER_LOOPS): "unrolled" without
+    scan_layers; with it, a lax.scan over weights stacked on a layer axis ("stacked") or over the
+    layer index with each layer's weights in its own buffers, picked by lax.switch ("switch";
+    models/llama.py): stack_layer_weights, or the platform's default (STACK_LAYER_WEIGHTS)."""
+    if not resolve_scan_layers(config, platform):
+        return "unrolled"
+    stack = config.stack_layer_weights
+    if stack is None:
+        stack = STACK_LAYER_WEIGHTS.get(platform, True)
+    return "stacked" if stack else "switch"
+
+
 # Per platform, from the scan-vs-unrolled measurements in BUILD_NOTES.md.
 SCAN_LAYERS_DEFAULT = {"cpu": True, "gpu": True, "tpu": True}
+# Under a scan over stacked weights XLA:CPU copies each layer's slice out before its dots (about a
+# third of a one-row step on the default model, BUILD_NOTES "Engine step speed"), so on the CPU
+# the scan keeps per-layer buffers; accelerators read a slice in place and keep the stacked scan.
+STACK_LAYER_WEIGHTS = {"cpu": False, "gpu": True, "tpu": True}
+LAYER_LOOPS = ("unrolled", "stacked", "switch")
 
 
 def _choice(name: str, value, choices, *, allow_none: bool = False) -> None:

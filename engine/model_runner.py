@@ -61,11 +61,11 @@ def num_backend_compilations() -> int:
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, params, shapes: RunnerShapes, *, dtype: str,
-                 attention_backend: str, interpret: bool = False, scan_layers: bool = False,
+                 attention_backend: str, interpret: bool = False, layer_loop: str = "unrolled",
                  precompile: bool = True, progress: bool = True, placement: Placement | None = None,
                  background_compile: bool = False):
         self.model_config = model_config
-        self.scan_layers = scan_layers
+        self.layer_loop = layer_loop  # engine/config.py LAYER_LOOPS
         self.shapes = shapes
         self.dtype = dtype
         self.placement = placement
@@ -75,18 +75,20 @@ class ModelRunner:
             # stacked 16-bit layers as their bits.
             # (Host arrays, a LoadedModel shared with sharded engines, move to the device here.)
             params = jax.tree.map(jnp.asarray, params)
-            self.params = pack_layer_bits(fuse_projections(stack_layers(params) if scan_layers else params))
+            stacked = stack_layers(params) if layer_loop == "stacked" else params
+            self.params = pack_layer_bits(fuse_projections(stacked))
             self.kv_cache = allocate_kv_cache(model_config, shapes.num_blocks, shapes.block_size, dtype,
                                               bits=bits)
-            forward = functools.partial(_forward_plain, config=model_config,
-                                        attention_backend=attention_backend, interpret=interpret)
+            forward = functools.partial(_forward_plain, config=model_config, attention_backend=attention_backend,
+                                        interpret=interpret, scan_layers=layer_loop != "unrolled")
         else:
             # On a mesh (engine/placement.py): params already padded, fused per shard and placed
             # shard by shard; the cache split on KV heads; inputs and the table replicated.
             self.params = params
             self.kv_cache = allocate_kv_cache(placement.layout.padded, shapes.num_blocks, shapes.block_size,
                                               dtype, bits=bits, sharding=placement.kv_sharding)
-            forward = placement.forward(attention_backend=attention_backend, interpret=interpret)
+            forward = placement.forward(attention_backend=attention_backend, interpret=interpret,
+                                        layer_loop=layer_loop)
         self.table = RequestTable(shapes.max_num_seqs, shapes.sample_vocab_size,
                                   sharding=None if placement is None else placement.replicated)
         self.builder = BatchBuilder(max_blocks_per_seq=shapes.max_blocks_per_seq,
@@ -300,9 +302,8 @@ class ModelRunner:
         return StepResult(req_ids, tokens, logprobs if any_logprobs else None, rejected, prompt_logprobs)
 
 
-def _forward_plain(params, kv_cache, inputs, *, config, attention_backend, interpret):
-    return forward_paged(params, config, kv_cache, inputs, attention_backend=attention_backend,
-                         interpret=interpret)
+def _forward_plain(params, kv_cache, inputs, *, config, **kwargs):
+    return forward_paged(params, config, kv_cache, inputs, **kwargs)
 
 
 def _step(params, kv_cache, table, flat, token_mask, *, layout: StepLayout, forward, num_logprobs,

@@ -58,18 +58,19 @@ class Placement:
     def kv_sharding(self) -> NamedSharding:
         return NamedSharding(self.mesh, KV_CACHE_SPEC)
 
-    def place(self, params: dict, config: ModelConfig, *, dtype: str, scan_layers: bool) -> dict:
-        """Loader-layout params (numpy or device arrays) -> the served layout, shard by shard."""
-        host = shard_params_host(params, config, self.layout, dtype=dtype, scan_layers=scan_layers)
+    def place(self, params: dict, config: ModelConfig, *, dtype: str, layer_loop: str) -> dict:
+        """Loader-layout params (numpy or device arrays) -> the served layout, shard by shard
+        (stacked on a layer axis for the "stacked" layer loop, engine/config.py)."""
+        host = shard_params_host(params, config, self.layout, dtype=dtype, stack=layer_loop == "stacked")
         return place_params(host, self.mesh)
 
-    def forward(self, *, attention_backend: str, interpret: bool):
+    def forward(self, *, attention_backend: str, interpret: bool, layer_loop: str):
         """(params, kv_cache, inputs) -> (kv_cache, logits [L, v]) for the compiled step."""
+        kwargs = dict(attention_backend=attention_backend, interpret=interpret,
+                      scan_layers=layer_loop != "unrolled")
         if self.tp == 1:
-            return functools.partial(_forward_single, config=self.layout.local,
-                                     attention_backend=attention_backend, interpret=interpret)
-        return functools.partial(_forward_tp, layout=self.layout, mesh=self.mesh,
-                                 attention_backend=attention_backend, interpret=interpret)
+            return functools.partial(_forward_single, config=self.layout.local, **kwargs)
+        return functools.partial(_forward_tp, layout=self.layout, mesh=self.mesh, **kwargs)
 
     def bytes_per_device(self, tree) -> list[int]:
         """Bytes of `tree` on each device of the group, in mesh order."""
@@ -77,14 +78,12 @@ class Placement:
         return [held.get(d, 0) for d in self.devices]
 
 
-def _forward_single(params, kv_cache, inputs, *, config, attention_backend, interpret):
-    return forward_paged(params, config, kv_cache, inputs, attention_backend=attention_backend,
-                         interpret=interpret)
+def _forward_single(params, kv_cache, inputs, *, config, **kwargs):
+    return forward_paged(params, config, kv_cache, inputs, **kwargs)
 
 
-def _forward_tp(params, kv_cache, inputs, *, layout, mesh, attention_backend, interpret):
-    return forward_paged_sharded(params, layout, kv_cache, inputs, mesh=mesh,
-                                 attention_backend=attention_backend, interpret=interpret)
+def _forward_tp(params, kv_cache, inputs, *, layout, mesh, **kwargs):
+    return forward_paged_sharded(params, layout, kv_cache, inputs, mesh=mesh, **kwargs)
 
 
 def device_bytes(runner, placement: Placement | None) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -1,16 +1,20 @@
-"""Scan over stacked layers vs the unrolled layer loop: compile time per bucket and step time.
+"""The layer loops side by side: compile time per bucket and decode step time.
 
     python -m experiments.bench_layers [--model=random:smollm2-135m --dtypes=float32,bfloat16
-                                        --rows=1,8,32 --context=256 --steps=20]
+                                        --loops=stacked,switch,unrolled --rows=1,8,32
+                                        --context=128 --steps=15]
 
-For each dtype and each mode (scan_layers true / false) it builds one engine with buckets
-(rows...) and no persistent compilation cache, times the compilation of every bucket, then fills
-the batch with `rows` requests of `context` prompt tokens and times decode steps (medians of
-`--steps` steps of LLMEngine.step(), the whole step: schedule, inputs, device, update). Modes run
-back to back in one process, so their ratio is what to quote. It also reports the 1-row step's
-compiled temporary memory (`memory_analysis().temp_size_in_bytes`) against the KV cache's size:
-a step that copies the cache shows up there. Output: a markdown table and JSON in
-experiments/results/; progress goes to stderr as each measurement ends.
+The loops (engine/config.py resolve_layer_loop): "stacked" (scan_layers with weights stacked on a
+layer axis, a lax.scan over them), "switch" (scan_layers with per-layer weight buffers picked by
+lax.switch inside a lax.scan over the layer index), "unrolled" (scan_layers=False).
+For each dtype it builds one engine per loop with buckets (rows..., context) and no persistent
+compilation cache, timing the compilation of every bucket. Then, for each row count, it fills
+every engine's batch with `rows` requests of `context` prompt tokens and times decode steps
+(LLMEngine.step(), the whole step: schedule, inputs, device, update), the engines taking turns
+step by step, so a slow phase of a shared machine hits every loop alike: medians of `--steps`
+steps per engine. It also reports the smallest step's compiled temporary memory against the KV
+cache's size (a step that copies the cache shows up there). Output: a markdown table and JSON
+in experiments/results/; progress goes to stderr as each measurement ends.
 """
 
 from __future__ import annotations
@@ -26,23 +30,27 @@ from experiments import report
 
 _MODEL = flags.DEFINE_string("model", "random:smollm2-135m", "Model spec (same shapes as the default).")
 _DTYPES = flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "dtypes to measure.")
+_LOOPS = flags.DEFINE_list("loops", ["stacked", "switch", "unrolled"], "layer loops to compare.")
 _ROWS = flags.DEFINE_list("rows", ["1", "8", "32"], "Decode batch sizes (each is a bucket).")
-_CONTEXT = flags.DEFINE_integer("context", 256, "Prompt tokens per request before decoding.")
-_STEPS = flags.DEFINE_integer("steps", 20, "Timed decode steps per batch size.")
+_CONTEXT = flags.DEFINE_integer("context", 128, "Prompt tokens per request before decoding.")
+_STEPS = flags.DEFINE_integer("steps", 15, "Timed decode steps per batch size and loop.")
 _NAME = flags.DEFINE_string("name", "bench_layers", "Result file name under experiments/results/.")
 
+LOOP_KNOBS = {"stacked": dict(scan_layers=True, stack_layer_weights=True),
+              "switch": dict(scan_layers=True, stack_layer_weights=False),
+              "unrolled": dict(scan_layers=False)}
 
-def measure(dtype: str, scan: bool, rows: list[int]) -> dict:
+
+def build(dtype: str, loop: str, rows: list[int]):
     import jax
 
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
 
     jax.config.update("jax_compilation_cache_dir", None)  # cold compiles, every time
     buckets = tuple(rows)
     config = EngineConfig(
-        model=_MODEL.value, dtype=dtype, scan_layers=scan, max_num_seqs=max(rows),
+        model=_MODEL.value, dtype=dtype, max_num_seqs=max(rows), **LOOP_KNOBS[loop],
         max_num_batched_tokens=max(max(rows), _CONTEXT.value), max_model_len=_CONTEXT.value + 64,
         token_buckets=tuple(sorted(set(buckets + (_CONTEXT.value,)))), seq_buckets=buckets,
         enable_prefix_caching=False, compilation_cache_dir=None, precompile=False)
@@ -55,29 +63,37 @@ def measure(dtype: str, scan: bool, rows: list[int]) -> dict:
     smallest = engine.runner.shapes.buckets()[0]
     temp_mb = engine.runner._executable(smallest).memory_analysis().temp_size_in_bytes / 1e6
     cache_mb = sum(x.nbytes for x in engine.runner.kv_cache) / 1e6
-    _log(f"{dtype} scan={scan}: compiled {compile_s}; {smallest.padded_tokens}-token step temp "
+    _log(f"{dtype} {loop}: compiled {compile_s}; {smallest.padded_tokens}-token step temp "
          f"{temp_mb:.1f} MB, cache {cache_mb:.1f} MB")
-    step_ms = {}
+    return engine, {"dtype": dtype, "loop": loop, "compile_s": compile_s, "step_ms": {},
+                    "temp_mb_smallest_bucket": temp_mb, "kv_cache_mb": cache_mb}
+
+
+def measure_steps(engines: dict, results: dict, rows: list[int]) -> None:
+    """Fills every engine with n decoding requests, then steps them in turn."""
+    from engine.sampling_params import SamplingParams
+
     params = SamplingParams(temperature=0.0, max_tokens=_STEPS.value + 4, ignore_eos=True)
-    vocab = engine.runner.sample_vocab_size
     for n in rows:
-        for i in range(n):
-            prompt = [(31 * i + 7 * k + 1) % vocab for k in range(_CONTEXT.value)]
-            engine.add_request(f"r{n}-{i}", prompt, params)
-        while any(len(s.request.output_token_ids) == 0 for s in engine._seqs.values()):
-            engine.step()  # prefills
-        engine.step()  # first decode step: warm
-        times = []
+        for engine in engines.values():
+            vocab = engine.runner.sample_vocab_size
+            for i in range(n):
+                prompt = [(31 * i + 7 * k + 1) % vocab for k in range(_CONTEXT.value)]
+                engine.add_request(f"r{n}-{i}", prompt, params)
+            while any(len(s.request.output_token_ids) == 0 for s in engine._seqs.values()):
+                engine.step()  # prefills
+            engine.step()  # first decode step: warm
+        times = {loop: [] for loop in engines}
         for _ in range(_STEPS.value):
-            t0 = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - t0)
-        step_ms[n] = 1000 * statistics.median(times)
-        _log(f"{dtype} scan={scan}: {n} rows {step_ms[n]:.1f} ms per step")
-        for i in range(n):
-            engine.abort_request(f"r{n}-{i}")
-    return {"dtype": dtype, "scan_layers": scan, "compile_s": compile_s, "step_ms": step_ms,
-            "temp_mb_smallest_bucket": temp_mb, "kv_cache_mb": cache_mb}
+            for loop, engine in engines.items():
+                t0 = time.perf_counter()
+                engine.step()
+                times[loop].append(time.perf_counter() - t0)
+        for loop, engine in engines.items():
+            results[loop]["step_ms"][n] = 1000 * statistics.median(times[loop])
+            for i in range(n):
+                engine.abort_request(f"r{n}-{i}")
+        _log(f"{n} rows: " + ", ".join(f"{loop} {results[loop]['step_ms'][n]:.1f} ms" for loop in engines))
 
 
 def _log(msg: str) -> None:
@@ -87,14 +103,24 @@ def _log(msg: str) -> None:
 def main(argv):
     del argv
     rows = [int(r) for r in _ROWS.value]
-    results = [measure(dtype, scan, rows) for dtype in _DTYPES.value for scan in (True, False)]
+    unknown = sorted(set(_LOOPS.value) - set(LOOP_KNOBS))
+    if unknown:
+        raise app.UsageError(f"--loops: unknown {unknown}; known: {sorted(LOOP_KNOBS)}")
+    results = []
+    for dtype in _DTYPES.value:
+        engines, by_loop = {}, {}
+        for loop in _LOOPS.value:
+            engines[loop], by_loop[loop] = build(dtype, loop, rows)
+        measure_steps(engines, by_loop, rows)
+        results.extend(by_loop.values())
+        del engines
     lines = ["| dtype | layers | compile s per bucket (tokens: s) | " +
              " | ".join(f"step ms, {n} rows" for n in rows) + " | smallest step temp / cache MB |",
              "| --- | --- | --- | " + " | ".join("---" for _ in rows) + " | --- |"]
     for r in results:
         compiles = ", ".join(f"{t}: {s:.1f}" for t, s in r["compile_s"].items())
         steps = " | ".join(f"{r['step_ms'][n]:.1f}" for n in rows)
-        lines.append(f"| {r['dtype']} | {'scan' if r['scan_layers'] else 'unrolled'} | {compiles} | {steps} | "
+        lines.append(f"| {r['dtype']} | {r['loop']} | {compiles} | {steps} | "
                      f"{r['temp_mb_smallest_bucket']:.0f} / {r['kv_cache_mb']:.0f} |")
     table = "\n".join(lines)
     print(table)

@@ -14,10 +14,14 @@ Parameters (a plain dict pytree):
     whatever the depth).
     A stacked 16-bit model may hold its layers as uint16 bits (`pack_layer_bits`, what the runner
     serves; read as the embedding's dtype).
-    Fused layout (`fuse_projections`, what the runner serves): wqkv [e, h + 2k, d] (q heads,
-    then k, then v; bqkv [h + 2k, d]) and w_gate_up [e, 2, f] replace wq/wk/wv and
-    w_gate/w_up, so a layer makes one input product for attention and one for the MLP. Every
-    function here takes either layout.
+    Served layout (`fuse_projections`, what the runner serves): every projection is one
+    two-dimensional weight, out-major ([out, in], as in Hugging Face checkpoints): qkv_proj
+    [(h + 2k) * d, e] (q heads, then k, then v; bias bqkv [(h + 2k) * d]), o_proj [e, h * d],
+    gate_up_proj [2 * f, e] (gate rows, then up rows), down_proj [e, f], and output_proj [v, e]
+    for an untied lm_head. XLA:CPU's dot library (YNNPACK) reads such a weight in place; it
+    copied the loaders' in-major weights, and the multi-axis einsums of the unfused layout,
+    into transposes on every step (BUILD_NOTES "Engine step speed").
+    Every function here takes either layout.
 
 Numerics: the residual stream, the norms, RoPE and softmax are float32 whatever the weights'
 dtype; each projection casts its input to the weights' dtype and accumulates in float32
@@ -36,7 +40,10 @@ Two attention paths share every other piece of the model:
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -102,10 +109,11 @@ def _proj(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
 def _qkv(layer: dict, h: jax.Array, positions: jax.Array, inv_freq: jax.Array, config: ModelConfig,
          kv_dtype):
     """q [t, h, d], k, v [t, k, d] in kv_dtype, RoPE applied (in float32) to q and k."""
-    if "wqkv" in layer:
-        qkv = _proj("te,end->tnd", h, layer["wqkv"])
+    if "qkv_proj" in layer:
+        qkv = _proj("te,ne->tn", h, layer["qkv_proj"])
         if "bqkv" in layer:
             qkv = qkv + layer["bqkv"].astype(jnp.float32)
+        qkv = qkv.reshape(qkv.shape[0], -1, config.head_dim)
         num_q = config.num_heads
         q, k, v = jnp.split(qkv, [num_q, num_q + config.num_kv_heads], axis=1)
     else:
@@ -119,16 +127,23 @@ def _qkv(layer: dict, h: jax.Array, positions: jax.Array, inv_freq: jax.Array, c
 
 
 def _mlp(layer: dict, h: jax.Array) -> jax.Array:
-    if "w_gate_up" in layer:
-        gate_up = _proj("te,ecf->tcf", h, layer["w_gate_up"])
-        gate, up = gate_up[:, 0], gate_up[:, 1]
-    else:
-        gate = _proj("te,ef->tf", h, layer["w_gate"])
-        up = _proj("te,ef->tf", h, layer["w_up"])
+    if "gate_up_proj" in layer:
+        gate, up = jnp.split(_proj("te,ne->tn", h, layer["gate_up_proj"]), 2, axis=1)
+        return _proj("tf,ef->te", jax.nn.silu(gate) * up, layer["down_proj"])
+    gate = _proj("te,ef->tf", h, layer["w_gate"])
+    up = _proj("te,ef->tf", h, layer["w_up"])
     return _proj("tf,fe->te", jax.nn.silu(gate) * up, layer["w_down"])
 
 
+def _attn_out(layer: dict, attn: jax.Array) -> jax.Array:
+    if "o_proj" in layer:
+        return _proj("tn,en->te", attn.reshape(attn.shape[0], -1), layer["o_proj"])
+    return _proj("thd,hde->te", attn, layer["wo"])
+
+
 def _logits(params: dict, h: jax.Array) -> jax.Array:
+    if "output_proj" in params:
+        return _proj("te,ve->tv", h, params["output_proj"])
     if "lm_head" in params:
         return _proj("te,ev->tv", h, params["lm_head"])
     return _proj("te,ve->tv", h, params["embed"])
@@ -165,22 +180,49 @@ def stack_layers(params: dict) -> dict:
     return {**params, "layers": stacked}
 
 
+def served_layer(layer: dict, xp=jnp) -> dict:
+    """One loader-layout layer (or a stack of them: a leading layer axis) in the served layout:
+    q/k/v and gate/up fused, every projection one out-major matrix (see the module docstring).
+    The heads may come already fused in the loaders' in-major layout as wqkv [(n,) e, heads, d]
+    (and bqkv [(n,) heads, d]), and gate/up as w_gate_up [(n,) e, 2 * f], in a caller's own order
+    (models/sharding.py: shard after shard). `xp` is jnp or numpy (sharding builds shards on the
+    host). Idempotent."""
+    if "qkv_proj" in layer:
+        return layer
+    fused = ("wq", "wk", "wv", "wqkv", "wo", "w_gate", "w_up", "w_gate_up", "w_down",
+             "bq", "bk", "bv", "bqkv")
+    out = {k: v for k, v in layer.items() if k not in fused}
+    wqkv = layer.get("wqkv")
+    if wqkv is None:
+        wqkv = xp.concatenate([layer["wq"], layer["wk"], layer["wv"]], axis=-2)
+    lead = wqkv.shape[:-3]  # () or (n,)
+    flat_qkv = xp.reshape(wqkv, lead + (wqkv.shape[-3], -1))  # [(n,) e, heads * d]
+    out["qkv_proj"] = xp.swapaxes(flat_qkv, -1, -2)
+    out["o_proj"] = xp.swapaxes(xp.reshape(layer["wo"], lead + (-1, layer["wo"].shape[-1])), -1, -2)
+    gate_up = layer.get("w_gate_up")
+    if gate_up is None:
+        gate_up = xp.concatenate([layer["w_gate"], layer["w_up"]], axis=-1)
+    out["gate_up_proj"] = xp.swapaxes(gate_up, -1, -2)  # [(n,) e, 2f] -> [(n,) 2f, e]
+    out["down_proj"] = xp.swapaxes(layer["w_down"], -1, -2)  # [(n,) f, e] -> [(n,) e, f]
+    bqkv = layer.get("bqkv")
+    if bqkv is None and "bq" in layer:
+        bqkv = xp.concatenate([layer["bq"], layer["bk"], layer["bv"]], axis=-2)
+    if bqkv is not None:
+        out["bqkv"] = xp.reshape(bqkv, lead + (-1,))
+    if xp is not jnp:
+        out = {k: xp.ascontiguousarray(v) for k, v in out.items()}
+    return out
+
+
 def fuse_projections(params: dict) -> dict:
-    """wq/wk/wv -> wqkv [(n,) e, h + 2k, d] and w_gate/w_up -> w_gate_up [(n,) e, 2, f], for a
-    list of layers or stacked ones; the loaders' separate layout goes in, both stay valid."""
-
-    def fuse(layer: dict) -> dict:
-        if "wqkv" in layer:
-            return layer
-        out = {k: v for k, v in layer.items() if k not in ("wq", "wk", "wv", "w_gate", "w_up", "bq", "bk", "bv")}
-        out["wqkv"] = jnp.concatenate([layer["wq"], layer["wk"], layer["wv"]], axis=-2)
-        out["w_gate_up"] = jnp.stack([layer["w_gate"], layer["w_up"]], axis=-2)
-        if "bq" in layer:
-            out["bqkv"] = jnp.concatenate([layer["bq"], layer["bk"], layer["bv"]], axis=-2)
-        return out
-
+    """The loaders' layout -> the served one (`served_layer` per layer, a list of layers or a
+    stacked dict; an untied lm_head [e, v] -> output_proj [v, e]). Idempotent."""
     layers = params["layers"]
-    return {**params, "layers": [fuse(x) for x in layers] if isinstance(layers, list) else fuse(layers)}
+    out = {k: v for k, v in params.items() if k != "lm_head"}
+    out["layers"] = [served_layer(x) for x in layers] if isinstance(layers, list) else served_layer(layers)
+    if "lm_head" in params:
+        out["output_proj"] = jnp.swapaxes(params["lm_head"], 0, 1)
+    return out
 
 
 def pack_layer_bits(params: dict) -> dict:
@@ -218,7 +260,7 @@ def forward_dense(params: dict, config: ModelConfig, token_ids: jax.Array) -> ja
         h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
         q, k, v = _qkv(layer, h, positions, inv_freq, config, kv_dtype)
         attn = dense_causal_attention(q, k, v, sm_scale, config.sliding_window)
-        x = x + _proj("thd,hde->te", attn, layer["wo"])
+        x = x + _attn_out(layer, attn)
         return x + _mlp(layer, rms_norm(x, layer["mlp_norm"], config.rms_norm_eps))
 
     x = embed_tokens(params["embed"], token_ids)
@@ -241,6 +283,7 @@ def forward_paged(
     attention_backend: str = "xla",
     interpret: bool = False,
     tp_axis: str | None = None,
+    scan_layers: bool = False,
 ):
     """One step over a ragged batch; returns ((k_cache, v_cache), logits [L, v] float32).
 
@@ -253,8 +296,14 @@ def forward_paged(
     (engine/kv_cache.py), in the model dtype or, for a 16-bit model on the xla path, uint16
     holding its bits (pallas_kernels/kv_write.py). `batch` has the StepInputs fields: input_ids [T], positions [T],
     slot_mapping [T], query_start_loc [S+1], seq_lens [S], block_tables [S, max_blocks_per_seq],
-    num_seqs [], logits_indices [L] (see engine/step_inputs.py). A stacked `params["layers"]`
-    runs the layers as a lax.scan with the cache in the carry; a list unrolls them.
+    num_seqs [], logits_indices [L] (see engine/step_inputs.py).
+
+    Layers: a stacked `params["layers"]` runs as a lax.scan over the stacked weights with the
+    cache in the carry. A list runs as a lax.scan over the layer index with `scan_layers`, whose
+    body picks each layer's weight products with lax.switch (`_switch_scan`: every layer keeps
+    its own buffers, read in place), and is unrolled without it. Both scans compile one layer
+    whatever the depth; XLA:CPU copies a stacked layer's slice out before every dot, so the
+    engine scans a list on the CPU (engine/config.py STACK_LAYER_WEIGHTS).
     """
     inv_freq = jnp.asarray(rope_inv_freq(config), jnp.float32)
     sm_scale = 1.0 / math.sqrt(config.head_dim)
@@ -267,31 +316,39 @@ def forward_paged(
 
     kv_dtype = kv_cache[0].dtype if kv_cache[0].dtype != jnp.uint16 else params["embed"].dtype
 
-    def layer_step(x, k_cache, v_cache, layer, index):
-        h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
-        q, k, v = _qkv(layer, h, batch.positions, inv_freq, config, kv_dtype)
+    eps = config.rms_norm_eps
+
+    def qkv_part(layer, x):  # norm, q/k/v products, RoPE
+        return _qkv(layer, rms_norm(x, layer["attn_norm"], eps), batch.positions, inv_freq, config, kv_dtype)
+
+    def attention_part(q, k, v, k_cache, v_cache, index):  # no weights: compiled once under a scan
         k_cache, v_cache = write_kv(k_cache, v_cache, k, v, batch.slot_mapping, layer=index)
         attn = ragged_paged_attention(
             q, k_cache, v_cache, md, layer=index, sm_scale=sm_scale,
             sliding_window=config.sliding_window, backend=attention_backend, interpret=interpret)
-        x = x + reduce(_proj("thd,hde->te", attn, layer["wo"]))
-        x = x + reduce(_mlp(layer, rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)))
-        return x, k_cache, v_cache
+        return attn, k_cache, v_cache
 
-    reduce = (lambda y: y) if tp_axis is None else (lambda y: jax.lax.psum(y, tp_axis))
+    def mlp_part(layer, x):
+        return _mlp(layer, rms_norm(x, layer["mlp_norm"], eps))
+
+    parts = LayerParts(qkv_part, attention_part, _attn_out, mlp_part,
+                       (lambda y: y) if tp_axis is None else (lambda y: jax.lax.psum(y, tp_axis)))
+
     if tp_axis is None:
         x = embed_tokens(params["embed"], batch.input_ids)
     else:
         x = _embed_vocab_parallel(params["embed"], batch.input_ids, tp_axis)
     k_cache, v_cache = kv_cache
     layers = params["layers"]
-    if isinstance(layers, list):
+    if isinstance(layers, list) and scan_layers:
+        x, k_cache, v_cache = _switch_scan(x, k_cache, v_cache, layers, parts)
+    elif isinstance(layers, list):
         for index, layer in enumerate(layers):
-            x, k_cache, v_cache = layer_step(x, k_cache, v_cache, layer, index)
+            x, k_cache, v_cache = parts.step(x, k_cache, v_cache, layer, index)
     else:
         def body(carry, xs):
             layer, index = xs
-            return layer_step(*carry, unpack_layer(layer, params["embed"].dtype), index), None
+            return parts.step(*carry, unpack_layer(layer, params["embed"].dtype), index), None
 
         indices = jnp.arange(num_layers_of(params), dtype=jnp.int32)
         (x, k_cache, v_cache), _ = jax.lax.scan(body, (x, k_cache, v_cache), (layers, indices))
@@ -300,6 +357,47 @@ def forward_paged(
     if tp_axis is not None:
         logits = jax.lax.all_gather(logits, tp_axis, axis=1, tiled=True)
     return (k_cache, v_cache), logits
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerParts:
+    """One decoder layer of forward_paged in pieces: the weight products (qkv, out, mlp: functions
+    of (layer weights, x)), the attention with its cache write (no weights), and the residual
+    stream's all-reduce under tensor parallelism."""
+
+    qkv: Callable  # (layer, x [T, e]) -> q [T, h, d], k, v [T, k, d]
+    attention: Callable  # (q, k, v, k_cache, v_cache, index) -> (attn [T, h, d], k_cache, v_cache)
+    out: Callable  # (layer, attn) -> [T, e]
+    mlp: Callable  # (layer, x) -> [T, e]
+    reduce: Callable  # identity, or a psum over the tensor-parallel axis
+
+    def step(self, x, k_cache, v_cache, layer, index):
+        q, k, v = self.qkv(layer, x)
+        attn, k_cache, v_cache = self.attention(q, k, v, k_cache, v_cache, index)
+        x = x + self.reduce(self.out(layer, attn))
+        return x + self.reduce(self.mlp(layer, x)), k_cache, v_cache
+
+
+def _switch_scan(x, k_cache, v_cache, layers: list, parts: LayerParts):
+    """The layers as a lax.scan over the layer index. Its body picks the layer's weight products
+    with lax.switch over one branch per layer, so each branch reads its layer's weights in place
+    (a scan over stacked weights slices each layer's out, a copy XLA:CPU makes before every dot),
+    while the attention and the cache writes are compiled once. The tensor-parallel all-reduces
+    stay outside the branches."""
+    branches = lambda fn: [functools.partial(fn, layer) for layer in layers]  # noqa: E731
+    qkv, out, mlp = branches(parts.qkv), branches(parts.out), branches(parts.mlp)
+
+    def body(carry, index):
+        x, k_cache, v_cache = carry
+        q, k, v = jax.lax.switch(index, qkv, x)
+        attn, k_cache, v_cache = parts.attention(q, k, v, k_cache, v_cache, index)
+        x = x + parts.reduce(jax.lax.switch(index, out, attn))
+        x = x + parts.reduce(jax.lax.switch(index, mlp, x))
+        return (x, k_cache, v_cache), None
+
+    indices = jnp.arange(len(layers), dtype=jnp.int32)
+    (x, k_cache, v_cache), _ = jax.lax.scan(body, (x, k_cache, v_cache), indices)
+    return x, k_cache, v_cache
 
 
 def _embed_vocab_parallel(embed: jax.Array, token_ids: jax.Array, axis: str) -> jax.Array:

@@ -1,10 +1,12 @@
 """Tensor parallelism for the llama family: the sharding rules, head padding, shard-by-shard placement.
 
 The Megatron pattern over the mesh axis "model" (size tp):
-- q/k/v (fused wqkv) and gate/up (fused w_gate_up) are split by output heads / columns, wo and
-  w_down by rows, so each device computes its own heads' attention and its own slice of the MLP,
-  and one all-reduce (psum) after wo and one after w_down per layer rebuild the residual stream.
-- embed [v, e] and lm_head [e, v] are split by vocabulary: the embedding lookup is a masked local
+- q/k/v (fused qkv_proj) and gate/up (fused gate_up_proj) are split by output heads / columns,
+  o_proj and down_proj by their input heads / rows, so each device computes its own heads'
+  attention and its own slice of the MLP, and one all-reduce (psum) after o_proj and one after
+  down_proj per layer rebuild the residual stream. (The served layout is out-major:
+  models/llama.py.)
+- embed [v, e] and output_proj [v, e] are split by vocabulary: the embedding lookup is a masked local
   gather plus one all-reduce per step, the logits one all-gather per step (the sampler then sees
   the full vocabulary, replicated).
 - norms are replicated; the KV cache is split on its KV-head axis.
@@ -18,9 +20,9 @@ i.e. +33 % attention weights (wqkv, wo), +33 % KV cache bytes and attention FLOP
 the embeddings are not padded unless f or v is not a multiple of tp (then zero columns / rows,
 padded logits are never sampled: the sampler cuts at the tokenizer's vocabulary).
 
-The fused layout is built per shard on the host: wqkv's head axis holds, shard after shard, that
-shard's q heads, then its k heads, then its v heads ([e, tp * (h/tp + 2k/tp), d]), so a plain
-split of axis "model" hands each device exactly the fused wqkv of its own heads. Weights are
+The fused layout is built per shard on the host: qkv_proj's head axis holds, shard after shard,
+that shard's q heads, then its k heads, then its v heads ([tp * (h/tp + 2k/tp), d, e]), so a
+plain split of axis "model" hands each device exactly the fused qkv_proj of its own heads. Weights are
 placed with `jax.make_array_from_callback`: each device receives only its slice from host memory,
 never a full copy on device 0.
 """
@@ -36,21 +38,22 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models.config import ModelConfig
+from models.llama import served_layer
 
 MODEL_AXIS = "model"
 
 # Parameter name (served, fused layout; one layer, no layer axis) -> PartitionSpec.
 LLAMA_RULES: dict[str, P] = {
     "embed": P(MODEL_AXIS, None),  # [v, e] by vocabulary
-    "lm_head": P(None, MODEL_AXIS),  # [e, v] by vocabulary
+    "output_proj": P(MODEL_AXIS, None),  # [v, e] by vocabulary
     "final_norm": P(None),
     "attn_norm": P(None),
     "mlp_norm": P(None),
-    "wqkv": P(None, MODEL_AXIS, None),  # [e, h + 2k, d] by heads (per-shard fused order)
-    "bqkv": P(MODEL_AXIS, None),  # [h + 2k, d]
-    "wo": P(MODEL_AXIS, None, None),  # [h, d, e] by rows (heads)
-    "w_gate_up": P(None, None, MODEL_AXIS),  # [e, 2, f] by columns
-    "w_down": P(MODEL_AXIS, None),  # [f, e] by rows
+    "qkv_proj": P(MODEL_AXIS, None),  # [(h + 2k) * d, e] by heads (per-shard fused order)
+    "bqkv": P(MODEL_AXIS),  # [(h + 2k) * d]
+    "o_proj": P(None, MODEL_AXIS),  # [e, h * d] by input heads
+    "gate_up_proj": P(MODEL_AXIS, None),  # [2 * f, e] by rows (per-shard gate, then up)
+    "down_proj": P(None, MODEL_AXIS),  # [e, f] by input columns
 }
 KV_CACHE_SPEC = P(None, None, None, MODEL_AXIS, None)  # [L, num_blocks, block_size, Hkv, D]
 
@@ -113,10 +116,11 @@ def _pad_heads(a: np.ndarray, axis: int, num_groups: int, group: int, padded_gro
     return grouped.reshape(*shape[:axis], padded_groups * group, *shape[axis + 1 :])
 
 
-def _fuse_per_shard(q: np.ndarray, k: np.ndarray, v: np.ndarray, axis: int, tp: int) -> np.ndarray:
-    """[.., h, ..], [.., k, ..] x2 -> [.., tp * (h/tp + 2k/tp), ..]: each shard's q, k, v heads."""
-    parts = zip(*(np.split(x, tp, axis=axis) for x in (q, k, v)))
-    return np.concatenate([np.concatenate(p, axis=axis) for p in parts], axis=axis)
+def _fuse_per_shard(*parts: np.ndarray, axis: int, tp: int) -> np.ndarray:
+    """Arrays [.., n_i, ..] -> [.., tp * sum(n_i / tp), ..]: shard after shard, each shard's slice
+    of every part in order (q, k, v heads; gate, up columns)."""
+    splits = zip(*(np.split(x, tp, axis=axis) for x in parts))
+    return np.concatenate([np.concatenate(p, axis=axis) for p in splits], axis=axis)
 
 
 def shard_layer_host(layer: dict, config: ModelConfig, layout: TPLayout) -> dict:
@@ -125,16 +129,16 @@ def shard_layer_host(layer: dict, config: ModelConfig, layout: TPLayout) -> dict
     q = _pad_heads(layer["wq"], 1, kv, g, kp)
     k = _pad_heads(layer["wk"], 1, kv, 1, kp)
     v = _pad_heads(layer["wv"], 1, kv, 1, kp)
-    out = {"attn_norm": layer["attn_norm"], "mlp_norm": layer["mlp_norm"],
-           "wqkv": _fuse_per_shard(q, k, v, 1, tp),
-           "wo": _pad_heads(layer["wo"], 0, kv, g, kp),
-           "w_gate_up": np.stack([_pad(layer["w_gate"], 1, layout.intermediate_size),
-                                  _pad(layer["w_up"], 1, layout.intermediate_size)], axis=-2),
-           "w_down": _pad(layer["w_down"], 0, layout.intermediate_size)}
+    fused = {"attn_norm": layer["attn_norm"], "mlp_norm": layer["mlp_norm"],
+             "wqkv": _fuse_per_shard(q, k, v, axis=1, tp=tp),
+             "wo": _pad_heads(layer["wo"], 0, kv, g, kp),
+             "w_gate_up": _fuse_per_shard(_pad(layer["w_gate"], 1, layout.intermediate_size),
+                                          _pad(layer["w_up"], 1, layout.intermediate_size), axis=1, tp=tp),
+             "w_down": _pad(layer["w_down"], 0, layout.intermediate_size)}
     if "bq" in layer:
-        out["bqkv"] = _fuse_per_shard(_pad_heads(layer["bq"], 0, kv, g, kp), _pad_heads(layer["bk"], 0, kv, 1, kp),
-                                      _pad_heads(layer["bv"], 0, kv, 1, kp), 0, tp)
-    return out
+        fused["bqkv"] = _fuse_per_shard(_pad_heads(layer["bq"], 0, kv, g, kp), _pad_heads(layer["bk"], 0, kv, 1, kp),
+                                        _pad_heads(layer["bv"], 0, kv, 1, kp), axis=0, tp=tp)
+    return served_layer(fused, xp=np)
 
 
 def to_host(a, dtype) -> np.ndarray:
@@ -144,15 +148,15 @@ def to_host(a, dtype) -> np.ndarray:
 
 
 def shard_params_host(params: dict, config: ModelConfig, layout: TPLayout, *, dtype: str,
-                      scan_layers: bool) -> dict:
+                      stack: bool) -> dict:
     """The whole served pytree on the host: padded, fused per shard, stacked (and as uint16 bits
     when stacked and 16-bit, as models/llama.pack_layer_bits would), ready to place."""
     host = lambda a: to_host(a, dtype)  # noqa: E731
     layers = [shard_layer_host(jax.tree.map(host, layer), config, layout) for layer in params["layers"]]
     out = {"embed": _pad(host(params["embed"]), 0, layout.vocab_size), "final_norm": host(params["final_norm"])}
     if "lm_head" in params:
-        out["lm_head"] = _pad(host(params["lm_head"]), 1, layout.vocab_size)
-    if scan_layers:
+        out["output_proj"] = np.ascontiguousarray(_pad(host(params["lm_head"]), 1, layout.vocab_size).T)
+    if stack:
         stacked = {name: np.stack([layer[name] for layer in layers]) for name in layers[0]}
         if jnp.dtype(dtype).itemsize == 2:
             stacked = {name: w.view(np.uint16) for name, w in stacked.items()}
@@ -183,7 +187,7 @@ def bytes_per_device(tree) -> dict:
 
 
 def forward_paged_sharded(params: dict, layout: TPLayout, kv_cache: tuple, batch, *, mesh,
-                          attention_backend: str, interpret: bool = False):
+                          attention_backend: str, interpret: bool = False, scan_layers: bool = False):
     """models/llama.forward_paged under shard_map over "model": every device runs its own heads
     (attention, whichever backend, on its local heads and its local KV-cache shard) and its MLP
     slice; returns the sharded cache and the full logits [L, v padded], replicated."""
@@ -193,7 +197,7 @@ def forward_paged_sharded(params: dict, layout: TPLayout, kv_cache: tuple, batch
 
     def local(p, cache, b):
         return forward_paged(p, layout.local, cache, b, attention_backend=attention_backend,
-                             interpret=interpret, tp_axis=MODEL_AXIS)
+                             interpret=interpret, tp_axis=MODEL_AXIS, scan_layers=scan_layers)
 
     mapped = jax.shard_map(local, mesh=mesh, in_specs=(param_specs(params), cache_specs, P()),
                            out_specs=(cache_specs, P()), check_vma=False)

@@ -68,15 +68,25 @@ def test_heads_are_padded_per_gqa_group_and_fused_per_shard():
              "wo": rng.normal(size=(9, d, e)), "w_gate": rng.normal(size=(e, f)),
              "w_up": rng.normal(size=(e, f)), "w_down": rng.normal(size=(f, e))}
     out = shard_layer_host(layer, config, layout)
-    shards = np.split(out["wqkv"], 4, axis=1)  # what each device receives: [e, 3 q + 1 k + 1 v, d]
+    # What each device receives (the served layout is out-major): qkv_proj rows [3 q + 1 k + 1 v
+    # heads, d] of e columns; gate_up_proj rows [f/4 gate, f/4 up].
+    shards = np.split(out["qkv_proj"].reshape(-1, d, e), 4, axis=0)
     for i, shard in enumerate(shards):
         real = i < 3  # KV head 3 (and its 3 query heads) is padding
-        q = layer["wq"][:, 3 * i : 3 * i + 3] if real else 0
-        np.testing.assert_array_equal(shard[:, :3], q)
-        np.testing.assert_array_equal(shard[:, 3], layer["wk"][:, i] if real else 0)
-        np.testing.assert_array_equal(shard[:, 4], layer["wv"][:, i] if real else 0)
-    np.testing.assert_array_equal(out["wo"][:9], layer["wo"])
-    assert not out["wo"][9:].any() and not out["w_down"][f:].any() and not out["w_gate_up"][..., f:].any()
+        q = np.moveaxis(layer["wq"][:, 3 * i : 3 * i + 3], 0, -1) if real else 0
+        np.testing.assert_array_equal(shard[:3], q)
+        np.testing.assert_array_equal(shard[3], layer["wk"][:, i].T if real else 0)
+        np.testing.assert_array_equal(shard[4], layer["wv"][:, i].T if real else 0)
+    np.testing.assert_array_equal(out["o_proj"][:, : 9 * d], layer["wo"].reshape(9 * d, e).T)
+    assert not out["o_proj"][:, 9 * d :].any() and not out["down_proj"][:, f:].any()
+    fp = layout.intermediate_size // 4
+    gate_up = np.split(out["gate_up_proj"], 4, axis=0)
+    for i, shard in enumerate(gate_up):
+        cols = slice(i * fp, min((i + 1) * fp, f))
+        real = cols.stop - cols.start
+        np.testing.assert_array_equal(shard[:real], layer["w_gate"][:, cols].T)
+        np.testing.assert_array_equal(shard[fp : fp + real], layer["w_up"][:, cols].T)
+        assert not shard[real:fp].any() and not shard[fp + real :].any()
 
 
 def _collectives(hlo: str) -> dict[str, list[tuple[str, str]]]:
@@ -119,9 +129,11 @@ def test_each_device_holds_a_quarter_of_each_split_weight(engines):
     # 4 padded KV heads over 4 devices (1 each) against 3 on one device.
     assert stats4.kv_cache_bytes_per_device[0] * 3 == stats1.kv_cache_bytes_per_device[0]
     params = engines[4].runner.params
-    for name in ("wqkv", "wo", "w_gate_up", "w_down"):
-        w = params["layers"][name]
-        assert {s.data.size for s in w.addressable_shards} == {w.size // 4}, name
+    layers = params["layers"]  # per-layer buffers on the CPU (the switch scan), stacked elsewhere
+    for layer in layers if isinstance(layers, list) else [layers]:
+        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            w = layer[name]
+            assert {s.data.size for s in w.addressable_shards} == {w.size // 4}, name
     k_cache = engines[4].runner.kv_cache[0]
     assert k_cache.shape[3] == 4 and {s.data.shape[3] for s in k_cache.addressable_shards} == {1}
 

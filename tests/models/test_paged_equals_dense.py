@@ -31,17 +31,19 @@ def _config(num_heads, num_kv_heads, **extra):
                                                  "tie_word_embeddings": False})],
     ids=["gqa1", "gqa3", "gqa4", "qwen2-bias-untied"],
 )
-@pytest.mark.parametrize("scan,fused", [(True, True)], ids=["scan-fused"])
-def test_chunked_prefill_then_decode_matches_dense(num_heads, num_kv_heads, extra, scan, fused):
-    _check_against_dense(_config(num_heads, num_kv_heads, **extra), scan, fused)
+def test_chunked_prefill_then_decode_matches_dense(num_heads, num_kv_heads, extra):
+    # The CPU engine's layout: served (fused, out-major) weights, per-layer buffers under a
+    # lax.switch scan (engine/config.py resolve_layer_loop).
+    _check_against_dense(_config(num_heads, num_kv_heads, **extra), "switch", True)
 
 
 # The other layouts (the loaders' separate projections, the unrolled layer loop) on one GQA config:
 # every layout shares the model code, so one config is enough to catch a layout's own mistake.
-@pytest.mark.parametrize("scan,fused", [(False, False), (True, False), (False, True)],
-                         ids=["unrolled", "scan", "unrolled-fused"])
-def test_other_layouts_match_dense(scan, fused):
-    _check_against_dense(_config(6, 2), scan, fused)
+@pytest.mark.parametrize("loop,fused", [("unrolled", False), ("stacked", False), ("unrolled", True),
+                                        ("stacked", True)],
+                         ids=["unrolled", "stacked", "unrolled-fused", "stacked-fused"])
+def test_other_layouts_match_dense(loop, fused):
+    _check_against_dense(_config(6, 2), loop, fused)
 
 
 LENGTHS = (37, 16, 5, 50)  # partial last blocks, an exact block, a short one
@@ -65,7 +67,7 @@ def _dense_logits(config, params, seqs):
     return _ORACLE[key]
 
 
-def _check_against_dense(config, scan, fused):
+def _check_against_dense(config, loop, fused):
     params = dense_params = random_params(config, seed=1)
     rng = np.random.default_rng(0)
     lengths = list(LENGTHS)
@@ -78,12 +80,12 @@ def _check_against_dense(config, scan, fused):
         next_block += n
     cache = (jnp.zeros((config.num_layers, NUM_BLOCKS, BLOCK_SIZE, config.num_kv_heads,
                         config.head_dim)),) * 2
-    if scan:
+    if loop == "stacked":
         params = stack_layers(params)
     if fused:
         params = fuse_projections(params)
-        assert "wqkv" in (params["layers"] if scan else params["layers"][0])
-    step = jax.jit(lambda p, c, b: forward_paged(p, config, c, b))
+        assert "qkv_proj" in (params["layers"] if loop == "stacked" else params["layers"][0])
+    step = jax.jit(lambda p, c, b: forward_paged(p, config, c, b, scan_layers=loop != "unrolled"))
     # Prefill each prompt in chunks of up to 20 tokens, all sequences in one ragged batch per step.
     done = [0] * len(seqs)
     last_logits = [None] * len(seqs)
