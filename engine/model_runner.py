@@ -40,7 +40,8 @@ from engine.request_table import RequestTable
 from engine.sampler import sample
 from engine.step_inputs import BatchBuilder, StepLayout
 from models.config import ModelConfig
-from models.llama import forward_paged, fuse_projections, pack_layer_bits, stack_layers
+from models.llama import forward_paged
+from models.served_layout import fuse_projections, pack_layer_bits, stack_layers
 from scheduler import SchedulerOutput, StepResult, TokenLogprobs
 
 _compile_events = [0]

@@ -3,25 +3,21 @@
 Einsum axes: t tokens, s key positions (dense path), e hidden, h query heads, k KV heads,
 g query heads per KV head (h = k * g), d head dim, f MLP width, v vocabulary.
 
-Parameters (a plain dict pytree):
-    embed [v, e]; final_norm [e]; lm_head [e, v] (absent when embeddings are tied)
-    layer: attn_norm [e], wq [e, h, d], wk [e, k, d], wv [e, k, d], (bq [h, d], bk [k, d],
-           bv [k, d] with attention_bias), wo [h, d, e], mlp_norm [e], w_gate [e, f], w_up [e, f],
-           w_down [f, e]
-    `layers` is either a list with one such dict per layer (the loaders' layout; the step unrolls
-    the layer loop) or one dict of the same names stacked on a leading layer axis [n, ...]
-    (`stack_layers`; the step is a `lax.scan` over layers, which compiles once per bucket
-    whatever the depth).
-    A stacked 16-bit model may hold its layers as uint16 bits (`pack_layer_bits`, what the runner
-    serves; read as the embedding's dtype).
-    Served layout (`fuse_projections`, what the runner serves): every projection is one
-    two-dimensional weight, out-major ([out, in], as in Hugging Face checkpoints): qkv_proj
-    [(h + 2k) * d, e] (q heads, then k, then v; bias bqkv [(h + 2k) * d]), o_proj [e, h * d],
-    gate_up_proj [2 * f, e] (gate rows, then up rows), down_proj [e, f], and output_proj [v, e]
-    for an untied lm_head. XLA:CPU's dot library (YNNPACK) reads such a weight in place; it
-    copied the loaders' in-major weights, and the multi-axis einsums of the unfused layout,
-    into transposes on every step (BUILD_NOTES "Engine step speed").
-    Every function here takes either layout.
+Parameters (a plain dict pytree; models/served_layout.py has both layouts and the conversions):
+    The loaders' layout (in-major): embed [v, e]; final_norm [e]; lm_head [e, v] (absent when
+    embeddings are tied); layer: attn_norm [e], wq [e, h, d], wk [e, k, d], wv [e, k, d], (bq
+    [h, d], bk [k, d], bv [k, d] with attention_bias), wo [h, d, e], mlp_norm [e], w_gate [e, f],
+    w_up [e, f], w_down [f, e].
+    The served layout (what the runner serves): every projection one two-dimensional, out-major
+    weight ([out, in], as in Hugging Face checkpoints): qkv_proj [(h + 2k) * d, e] (q heads,
+    then k, then v; bias bqkv [(h + 2k) * d]), o_proj [e, h * d], gate_up_proj [2 * f, e]
+    (gate rows, then up rows), down_proj [e, f], output_proj [v, e] for an untied lm_head.
+    XLA:CPU's dot library (YNNPACK) reads such a weight in place; the loaders' in-major weights
+    and the multi-axis einsums it went through a transpose copy on every step (BUILD_NOTES.md,
+    "Layers: scan or unrolled"). Every function here takes either layout.
+    `layers` is a list with one such dict per layer, or one dict of the same names stacked on a
+    leading layer axis [n, ...] (`stack_layers`), 16-bit weights then held as uint16 bits
+    (`pack_layer_bits`, read back as the embedding's dtype).
 
 Numerics: the residual stream, the norms, RoPE and softmax are float32 whatever the weights'
 dtype; each projection casts its input to the weights' dtype and accumulates in float32
@@ -50,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig
+from models.served_layout import num_layers_of, unpack_layer
 from pallas_kernels import prepare_attention_metadata, ragged_paged_attention, write_kv
 from pallas_kernels.kv_write import as_bits, from_bits
 
@@ -169,80 +166,6 @@ def embed_tokens(embed: jax.Array, token_ids: jax.Array) -> jax.Array:
     """Rows of the embedding table as float32, gathered as bits: XLA:CPU would convert a whole
     16-bit table to float32 every step to gather from it."""
     return from_bits(as_bits(embed)[token_ids], embed.dtype).astype(jnp.float32)
-
-
-def stack_layers(params: dict) -> dict:
-    """The per-layer list of parameter dicts as one dict of arrays stacked on a layer axis."""
-    layers = params["layers"]
-    if isinstance(layers, dict):
-        return params
-    stacked = {name: jnp.stack([layer[name] for layer in layers]) for name in layers[0]}
-    return {**params, "layers": stacked}
-
-
-def served_layer(layer: dict, xp=jnp) -> dict:
-    """One loader-layout layer (or a stack of them: a leading layer axis) in the served layout:
-    q/k/v and gate/up fused, every projection one out-major matrix (see the module docstring).
-    The heads may come already fused in the loaders' in-major layout as wqkv [(n,) e, heads, d]
-    (and bqkv [(n,) heads, d]), and gate/up as w_gate_up [(n,) e, 2 * f], in a caller's own order
-    (models/sharding.py: shard after shard). `xp` is jnp or numpy (sharding builds shards on the
-    host). Idempotent."""
-    if "qkv_proj" in layer:
-        return layer
-    fused = ("wq", "wk", "wv", "wqkv", "wo", "w_gate", "w_up", "w_gate_up", "w_down",
-             "bq", "bk", "bv", "bqkv")
-    out = {k: v for k, v in layer.items() if k not in fused}
-    wqkv = layer.get("wqkv")
-    if wqkv is None:
-        wqkv = xp.concatenate([layer["wq"], layer["wk"], layer["wv"]], axis=-2)
-    lead = wqkv.shape[:-3]  # () or (n,)
-    flat_qkv = xp.reshape(wqkv, lead + (wqkv.shape[-3], -1))  # [(n,) e, heads * d]
-    out["qkv_proj"] = xp.swapaxes(flat_qkv, -1, -2)
-    out["o_proj"] = xp.swapaxes(xp.reshape(layer["wo"], lead + (-1, layer["wo"].shape[-1])), -1, -2)
-    gate_up = layer.get("w_gate_up")
-    if gate_up is None:
-        gate_up = xp.concatenate([layer["w_gate"], layer["w_up"]], axis=-1)
-    out["gate_up_proj"] = xp.swapaxes(gate_up, -1, -2)  # [(n,) e, 2f] -> [(n,) 2f, e]
-    out["down_proj"] = xp.swapaxes(layer["w_down"], -1, -2)  # [(n,) f, e] -> [(n,) e, f]
-    bqkv = layer.get("bqkv")
-    if bqkv is None and "bq" in layer:
-        bqkv = xp.concatenate([layer["bq"], layer["bk"], layer["bv"]], axis=-2)
-    if bqkv is not None:
-        out["bqkv"] = xp.reshape(bqkv, lead + (-1,))
-    if xp is not jnp:
-        out = {k: xp.ascontiguousarray(v) for k, v in out.items()}
-    return out
-
-
-def fuse_projections(params: dict) -> dict:
-    """The loaders' layout -> the served one (`served_layer` per layer, a list of layers or a
-    stacked dict; an untied lm_head [e, v] -> output_proj [v, e]). Idempotent."""
-    layers = params["layers"]
-    out = {k: v for k, v in params.items() if k != "lm_head"}
-    out["layers"] = [served_layer(x) for x in layers] if isinstance(layers, list) else served_layer(layers)
-    if "lm_head" in params:
-        out["output_proj"] = jnp.swapaxes(params["lm_head"], 0, 1)
-    return out
-
-
-def pack_layer_bits(params: dict) -> dict:
-    """Stacked 16-bit layer weights stored as their bits (uint16; `unpack_layer` reads them as the
-    embedding's dtype). Under lax.scan XLA:CPU would otherwise convert every stacked bfloat16
-    weight to float32 outside the loop, every step, only to slice one layer of it."""
-    layers = params["layers"]
-    if isinstance(layers, list):
-        return params
-    return {**params, "layers": {name: as_bits(w) for name, w in layers.items()}}
-
-
-def unpack_layer(layer: dict, dtype) -> dict:
-    """One layer's weights back from bits (inside the scan body, after the slice: free)."""
-    return {name: from_bits(w, dtype) if w.dtype == jnp.uint16 else w for name, w in layer.items()}
-
-
-def num_layers_of(params: dict) -> int:
-    layers = params["layers"]
-    return len(layers) if isinstance(layers, list) else layers["attn_norm"].shape[0]
 
 
 def forward_dense(params: dict, config: ModelConfig, token_ids: jax.Array) -> jax.Array:

@@ -38,7 +38,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models.config import ModelConfig
-from models.llama import served_layer
+from models.served_layout import served_layer
 
 MODEL_AXIS = "model"
 

@@ -14,7 +14,8 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
-from models.llama import forward_dense, stack_layers
+from models.llama import forward_dense
+from models.served_layout import stack_layers
 from tests.engine.conftest import run_to_completion
 
 NEW_TOKENS = 8

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from models.config import preset_config
-from models.llama import forward_dense, forward_paged, fuse_projections, stack_layers
+from models.llama import forward_dense, forward_paged
 from models.random_weights import random_params
+from models.served_layout import fuse_projections, stack_layers
 from tests.models.paged_batch import make_batch
 
 pytestmark = pytest.mark.usefixtures("fast_compile")  # random tiny shapes: -O0 (tests/conftest.py)

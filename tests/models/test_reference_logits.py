@@ -19,7 +19,8 @@ import pytest
 
 from models.default_model import default_model_path
 from models.gguf_loader import load_gguf
-from models.llama import forward_dense, fuse_projections, stack_layers
+from models.llama import forward_dense
+from models.served_layout import fuse_projections, stack_layers
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures"
 PAD_TO = 128
