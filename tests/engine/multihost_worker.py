@@ -11,8 +11,8 @@ import sys
 import time
 
 os.environ["JAX_PLATFORMS"] = "cpu"
-# tests/conftest.py's TEST_XLA_FLAGS (not imported: this file runs as its own process).
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=1"
+os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=1 "
+                           "--xla_cpu_use_fusion_emitters=false")  # tests/conftest.py's TEST_XLA_FLAGS
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from engine import multihost  # noqa: E402
