@@ -36,10 +36,8 @@ Two attention paths share every other piece of the model:
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -107,26 +105,40 @@ def _qkv(layer: dict, h: jax.Array, positions: jax.Array, inv_freq: jax.Array, c
          kv_dtype):
     """q [t, h, d], k, v [t, k, d] in kv_dtype, RoPE applied (in float32) to q and k."""
     if "qkv_proj" in layer:
-        qkv = _proj("te,ne->tn", h, layer["qkv_proj"])
-        if "bqkv" in layer:
-            qkv = qkv + layer["bqkv"].astype(jnp.float32)
-        qkv = qkv.reshape(qkv.shape[0], -1, config.head_dim)
-        num_q = config.num_heads
-        q, k, v = jnp.split(qkv, [num_q, num_q + config.num_kv_heads], axis=1)
-    else:
-        q = _proj("te,ehd->thd", h, layer["wq"])
-        k = _proj("te,ekd->tkd", h, layer["wk"])
-        v = _proj("te,ekd->tkd", h, layer["wv"])
-        if "bq" in layer:
-            q, k, v = (x + layer[b].astype(jnp.float32) for x, b in ((q, "bq"), (k, "bk"), (v, "bv")))
+        return _split_qkv(_proj("te,ne->tn", h, layer["qkv_proj"]), layer.get("bqkv"), positions, inv_freq,
+                          config, kv_dtype)
+    q = _proj("te,ehd->thd", h, layer["wq"])
+    k = _proj("te,ekd->tkd", h, layer["wk"])
+    v = _proj("te,ekd->tkd", h, layer["wv"])
+    if "bq" in layer:
+        q, k, v = (x + layer[b].astype(jnp.float32) for x, b in ((q, "bq"), (k, "bk"), (v, "bv")))
+    return _rope_and_round(q, k, v, positions, inv_freq, kv_dtype)
+
+
+def _split_qkv(qkv, bias, positions, inv_freq, config: ModelConfig, kv_dtype):
+    """The fused product [t, (h + 2k) * d] (plus its bias) -> q, k, v as `_qkv` returns them."""
+    if bias is not None:
+        qkv = qkv + bias.astype(jnp.float32)
+    qkv = qkv.reshape(qkv.shape[0], -1, config.head_dim)
+    num_q = config.num_heads
+    q, k, v = jnp.split(qkv, [num_q, num_q + config.num_kv_heads], axis=1)
+    return _rope_and_round(q, k, v, positions, inv_freq, kv_dtype)
+
+
+def _rope_and_round(q, k, v, positions, inv_freq, kv_dtype):
     q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
     return q.astype(kv_dtype), k.astype(kv_dtype), v.astype(kv_dtype)
 
 
+def _swiglu(gate_up: jax.Array) -> jax.Array:
+    """The fused gate/up product [t, 2f] -> silu(gate) * up [t, f]."""
+    gate, up = jnp.split(gate_up, 2, axis=1)
+    return jax.nn.silu(gate) * up
+
+
 def _mlp(layer: dict, h: jax.Array) -> jax.Array:
     if "gate_up_proj" in layer:
-        gate, up = jnp.split(_proj("te,ne->tn", h, layer["gate_up_proj"]), 2, axis=1)
-        return _proj("tf,ef->te", jax.nn.silu(gate) * up, layer["down_proj"])
+        return _proj("tf,ef->te", _swiglu(_proj("te,ne->tn", h, layer["gate_up_proj"])), layer["down_proj"])
     gate = _proj("te,ef->tf", h, layer["w_gate"])
     up = _proj("te,ef->tf", h, layer["w_up"])
     return _proj("tf,fe->te", jax.nn.silu(gate) * up, layer["w_down"])
@@ -240,22 +252,31 @@ def forward_paged(
     kv_dtype = kv_cache[0].dtype if kv_cache[0].dtype != jnp.uint16 else params["embed"].dtype
 
     eps = config.rms_norm_eps
+    reduce = (lambda y: y) if tp_axis is None else (lambda y: jax.lax.psum(y, tp_axis))
 
-    def qkv_part(layer, x):  # norm, q/k/v products, RoPE
-        return _qkv(layer, rms_norm(x, layer["attn_norm"], eps), batch.positions, inv_freq, config, kv_dtype)
-
-    def attention_part(q, k, v, k_cache, v_cache, index):  # no weights: compiled once under a scan
+    def attention(q, k, v, k_cache, v_cache, index):  # no weights: compiled once under a scan
         k_cache, v_cache = write_kv(k_cache, v_cache, k, v, batch.slot_mapping, layer=index)
         attn = ragged_paged_attention(
             q, k_cache, v_cache, md, layer=index, sm_scale=sm_scale,
             sliding_window=config.sliding_window, backend=attention_backend, interpret=interpret)
         return attn, k_cache, v_cache
 
-    def mlp_part(layer, x):
-        return _mlp(layer, rms_norm(x, layer["mlp_norm"], eps))
+    def layer_step(x, k_cache, v_cache, layer, index):
+        q, k, v = _qkv(layer, rms_norm(x, layer["attn_norm"], eps), batch.positions, inv_freq, config, kv_dtype)
+        attn, k_cache, v_cache = attention(q, k, v, k_cache, v_cache, index)
+        x = x + reduce(_attn_out(layer, attn))
+        return x + reduce(_mlp(layer, rms_norm(x, layer["mlp_norm"], eps))), k_cache, v_cache
 
-    parts = LayerParts(qkv_part, attention_part, _attn_out, mlp_part,
-                       (lambda y: y) if tp_axis is None else (lambda y: jax.lax.psum(y, tp_axis)))
+    def switch_step(x, k_cache, v_cache, small, product, index):
+        """One served-layout layer whose products are `product(name, x)` (a lax.switch) and
+        whose norms and bias are the layer's rows of `small`."""
+        h = rms_norm(x, small["attn_norm"], eps)
+        q, k, v = _split_qkv(product("qkv_proj", h), small.get("bqkv"), batch.positions, inv_freq, config,
+                             kv_dtype)
+        attn, k_cache, v_cache = attention(q, k, v, k_cache, v_cache, index)
+        x = x + reduce(product("o_proj", attn.reshape(attn.shape[0], -1)))
+        h = rms_norm(x, small["mlp_norm"], eps)
+        return x + reduce(product("down_proj", _swiglu(product("gate_up_proj", h)))), k_cache, v_cache
 
     if tp_axis is None:
         x = embed_tokens(params["embed"], batch.input_ids)
@@ -264,14 +285,14 @@ def forward_paged(
     k_cache, v_cache = kv_cache
     layers = params["layers"]
     if isinstance(layers, list) and scan_layers:
-        x, k_cache, v_cache = _switch_scan(x, k_cache, v_cache, layers, parts)
+        x, k_cache, v_cache = _switch_scan(x, k_cache, v_cache, layers, switch_step)
     elif isinstance(layers, list):
         for index, layer in enumerate(layers):
-            x, k_cache, v_cache = parts.step(x, k_cache, v_cache, layer, index)
+            x, k_cache, v_cache = layer_step(x, k_cache, v_cache, layer, index)
     else:
         def body(carry, xs):
             layer, index = xs
-            return parts.step(*carry, unpack_layer(layer, params["embed"].dtype), index), None
+            return layer_step(*carry, unpack_layer(layer, params["embed"].dtype), index), None
 
         indices = jnp.arange(num_layers_of(params), dtype=jnp.int32)
         (x, k_cache, v_cache), _ = jax.lax.scan(body, (x, k_cache, v_cache), (layers, indices))
@@ -282,41 +303,32 @@ def forward_paged(
     return (k_cache, v_cache), logits
 
 
-@dataclasses.dataclass(frozen=True)
-class LayerParts:
-    """One decoder layer of forward_paged in pieces: the weight products (qkv, out, mlp: functions
-    of (layer weights, x)), the attention with its cache write (no weights), and the residual
-    stream's all-reduce under tensor parallelism."""
-
-    qkv: Callable  # (layer, x [T, e]) -> q [T, h, d], k, v [T, k, d]
-    attention: Callable  # (q, k, v, k_cache, v_cache, index) -> (attn [T, h, d], k_cache, v_cache)
-    out: Callable  # (layer, attn) -> [T, e]
-    mlp: Callable  # (layer, x) -> [T, e]
-    reduce: Callable  # identity, or a psum over the tensor-parallel axis
-
-    def step(self, x, k_cache, v_cache, layer, index):
-        q, k, v = self.qkv(layer, x)
-        attn, k_cache, v_cache = self.attention(q, k, v, k_cache, v_cache, index)
-        x = x + self.reduce(self.out(layer, attn))
-        return x + self.reduce(self.mlp(layer, x)), k_cache, v_cache
+# The served layout's products, as the lax.switch branches of `_switch_scan` run them.
+SERVED_PRODUCTS = {"qkv_proj": "te,ne->tn", "o_proj": "tn,en->te", "gate_up_proj": "te,ne->tn",
+                   "down_proj": "tf,ef->te"}
 
 
-def _switch_scan(x, k_cache, v_cache, layers: list, parts: LayerParts):
-    """The layers as a lax.scan over the layer index. Its body picks the layer's weight products
-    with lax.switch over one branch per layer, so each branch reads its layer's weights in place
-    (a scan over stacked weights slices each layer's out, a copy XLA:CPU makes before every dot),
-    while the attention and the cache writes are compiled once. The tensor-parallel all-reduces
-    stay outside the branches."""
-    branches = lambda fn: [functools.partial(fn, layer) for layer in layers]  # noqa: E731
-    qkv, out, mlp = branches(parts.qkv), branches(parts.out), branches(parts.mlp)
+def _switch_scan(x, k_cache, v_cache, layers: list, switch_step):
+    """The layers as a lax.scan over the layer index, each layer's weights in its own buffers.
+
+    Each weight product is a lax.switch over one branch per layer holding that product alone,
+    so every branch reads its layer's matrix in place (a scan over stacked weights slices each
+    layer's out, a copy XLA:CPU makes before every dot) and the branches are library calls,
+    cheap to compile; the norms, RoPE, attention, cache writes and activations are in the body,
+    compiled once, with the layer's norm weights and bias (small) stacked and indexed. The
+    tensor-parallel all-reduces stay outside the branches. Served layout only."""
+    if any(name not in layers[0] for name in SERVED_PRODUCTS):
+        raise ValueError("the switch layer scan runs the served layout (models/served_layout.py "
+                         f"fuse_projections); got layer weights {sorted(layers[0])}")
+    branches = {name: [functools.partial(_proj, spec, w=layer[name]) for layer in layers]
+                for name, spec in SERVED_PRODUCTS.items()}
+    small = {name: jnp.stack([layer[name] for layer in layers])
+             for name in layers[0] if name not in SERVED_PRODUCTS}
 
     def body(carry, index):
-        x, k_cache, v_cache = carry
-        q, k, v = jax.lax.switch(index, qkv, x)
-        attn, k_cache, v_cache = parts.attention(q, k, v, k_cache, v_cache, index)
-        x = x + parts.reduce(jax.lax.switch(index, out, attn))
-        x = x + parts.reduce(jax.lax.switch(index, mlp, x))
-        return (x, k_cache, v_cache), None
+        product = lambda name, h: jax.lax.switch(index, branches[name], h)  # noqa: E731
+        rows = {name: a[index] for name, a in small.items()}
+        return switch_step(*carry, rows, product, index), None
 
     indices = jnp.arange(len(layers), dtype=jnp.int32)
     (x, k_cache, v_cache), _ = jax.lax.scan(body, (x, k_cache, v_cache), indices)
