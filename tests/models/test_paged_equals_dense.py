@@ -47,6 +47,14 @@ def test_other_layouts_match_dense(loop, fused):
     _check_against_dense(_config(6, 2), loop, fused)
 
 
+def test_bfloat16_switch_scan_matches_the_bfloat16_dense_forward():
+    """The CPU engine's bfloat16 path (served layout, switch scan, a bfloat16 cache) against the
+    dense forward over the same bfloat16 weights: the same roundings (q, k, v to the cache's
+    dtype, every product's inputs to bfloat16 with float32 accumulation), summed in another
+    order: a bfloat16-sized tolerance (logits up to about 20 here, 3 significant digits)."""
+    _check_against_dense(_config(6, 2), "switch", True, dtype=jnp.bfloat16, tol=0.1)
+
+
 LENGTHS = (37, 16, 5, 50)  # partial last blocks, an exact block, a short one
 DECODE_STEPS = 4
 # Every step (prefill chunks of up to 20 tokens for 4 sequences, then decodes) padded to one
@@ -58,8 +66,8 @@ _ORACLE: dict = {}
 
 def _dense_logits(config, params, seqs):
     """Dense logits at every position of each whole sequence (causal: position p's logits are
-    those of the prefix ending at p), computed once per config and shared by the layouts."""
-    key = repr(config)
+    those of the prefix ending at p), computed once per config and dtype, shared by the layouts."""
+    key = (repr(config), params["embed"].dtype.name)
     if key not in _ORACLE:
         forward = jax.jit(lambda p, ids: forward_dense(p, config, ids))
         # One padded length (one compile): causal, so padding after the end changes nothing.
@@ -68,8 +76,8 @@ def _dense_logits(config, params, seqs):
     return _ORACLE[key]
 
 
-def _check_against_dense(config, loop, fused):
-    params = dense_params = random_params(config, seed=1)
+def _check_against_dense(config, loop, fused, dtype=jnp.float32, tol=1e-5):
+    params = dense_params = jax.tree.map(lambda a: jnp.asarray(a, dtype), random_params(config, seed=1))
     rng = np.random.default_rng(0)
     lengths = list(LENGTHS)
     seqs = [rng.integers(0, config.vocab_size, n + DECODE_STEPS).tolist() for n in lengths]
@@ -80,7 +88,7 @@ def _check_against_dense(config, loop, fused):
         tables.append(list(range(next_block, next_block + n)))
         next_block += n
     cache = (jnp.zeros((config.num_layers, NUM_BLOCKS, BLOCK_SIZE, config.num_kv_heads,
-                        config.head_dim)),) * 2
+                        config.head_dim), dtype),) * 2
     if loop == "stacked":
         params = stack_layers(params)
     if fused:
@@ -102,7 +110,7 @@ def _check_against_dense(config, loop, fused):
             done[i] += len(chunks[row][0])
             last_logits[i] = logits[row]
     for i in range(len(seqs)):
-        np.testing.assert_allclose(last_logits[i], oracle[i][lengths[i] - 1], atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(last_logits[i], oracle[i][lengths[i] - 1], atol=tol, rtol=tol)
     # Four decode steps for all sequences together.
     for extra_token in range(DECODE_STEPS):
         chunks = [(s[lengths[i] + extra_token : lengths[i] + extra_token + 1], lengths[i] + extra_token)
@@ -111,7 +119,7 @@ def _check_against_dense(config, loop, fused):
                            pad_seqs=STEP_SEQS - len(seqs), max_blocks=8)
         cache, logits = step(params, cache, batch)
         for i in range(len(seqs)):
-            np.testing.assert_allclose(logits[i], oracle[i][lengths[i] + extra_token], atol=1e-5,
-                                       rtol=1e-5)
+            np.testing.assert_allclose(logits[i], oracle[i][lengths[i] + extra_token], atol=tol,
+                                       rtol=tol)
     # The null block (0) may hold padding garbage, but no live block was written by padding:
     # re-running the dense check above already proves the live blocks are intact.
