@@ -50,7 +50,7 @@ _VOCAB = flags.DEFINE_integer("draft_vocab_size", 4096, "ids the head can draft"
 _INTERMEDIATE = flags.DEFINE_integer("intermediate_size", 0, "head MLP width (0: the target's)")
 _INIT_LAST = flags.DEFINE_bool("init_from_last_layer", False,
                                "start the head's block from the target's last layer (when the widths match)")
-_STEPS = flags.DEFINE_integer("steps", 400, "optimizer steps")
+_STEPS = flags.DEFINE_integer("steps", 600, "optimizer steps")
 _BATCH = flags.DEFINE_integer("batch_size", 128, "examples per step")
 _LR = flags.DEFINE_float("learning_rate", 1e-3, "peak AdamW learning rate")
 _WD = flags.DEFINE_float("weight_decay", 0.01, "AdamW weight decay")
