@@ -1,7 +1,7 @@
 """Trains the draft head (engine/spec_decode/draft_head.py) for a target by distillation, with optax.
 
     python -m experiments.train_draft --model=default \\
-        --out=~/.cache/jaxserve/draft_heads/SmolLM2-135M-Instruct
+        --out=~/.cache/jaxserve/draft_heads/default
 
 1. Prompts: first human turns of ShareGPT (ASCII, `--min_chars`..`--max_chars`), chat template
    applied, taken from record `--first_record` on: experiments/exp_speculative.py's ShareGPT
