@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PROMPT ?= Explain in two sentences why a GPU serving one user is mostly idle.
 
-.PHONY: setup test lint demo serve bench clean notebook-test
+.PHONY: setup test lint demo serve bench clean notebook-test draft-head serve-draft-head
 # Python writes the bytecode of what it imports on first use (setup installs with --no-compile):
 # with PYTHONDONTWRITEBYTECODE set (some CI images and sandboxes set it) every process would
 # compile jax from source again, 6.0 s instead of 2.8 s to import jax and the engine here.
@@ -45,6 +45,20 @@ demo: setup
 serve: setup
 	$(PY) -m entrypoints.openai.serve --model=default --host=$(HOST) --port=$(PORT) \
 	  --weights_cache_dir=$(HOME)/.cache/jaxserve/weights --background_compile $(SERVE_FLAGS)
+
+# The default model's draft head (speculative_config method "draft_head"): trained once by
+# experiments.train_draft (distillation on the model's own greedy ShareGPT outputs, several CPU
+# minutes on 2 cores) and cached; `make serve-draft-head` serves with it (k = 3 drafts).
+DRAFT_HEAD ?= $(HOME)/.cache/jaxserve/draft_heads/default
+$(DRAFT_HEAD)/draft_head.json: | $(STAMP)
+	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m experiments.train_draft --model=default --out=$(DRAFT_HEAD)
+
+draft-head: $(DRAFT_HEAD)/draft_head.json
+
+serve-draft-head: $(DRAFT_HEAD)/draft_head.json
+	$(PY) -m entrypoints.openai.serve --model=default --host=$(HOST) --port=$(PORT) \
+	  --weights_cache_dir=$(HOME)/.cache/jaxserve/weights --background_compile \
+	  --speculative_config='{"method": "draft_head", "model": "$(DRAFT_HEAD)", "num_speculative_tokens": 3}' $(SERVE_FLAGS)
 
 # A quick concurrency sweep of the server on the default model (a few minutes on a 2-core CPU).
 bench: setup

@@ -64,10 +64,13 @@ def load_for_mesh(config: EngineConfig, *, progress: bool = True):
                       progress=progress, cache_dir=config.weights_cache_dir, host=True)
 
 
-def build_parts(config: EngineConfig, *, progress: bool = True, mesh=None, loaded=None) -> EngineParts:
+def build_parts(config: EngineConfig, *, progress: bool = True, mesh=None, loaded=None,
+                keep_hidden: bool = False) -> EngineParts:
     """The parts of one engine (one replica). `mesh`: its device group (engine/mesh.py), None:
     a (1, tensor_parallel_size) mesh when that is > 1, else the default device. `loaded`: a
-    LoadedModel already in host memory (data parallelism loads once for all replicas)."""
+    LoadedModel already in host memory (data parallelism loads once for all replicas).
+    `keep_hidden`: the runner keeps each step's final hidden states on the device (a draft head
+    needs them; experiments/train_draft.py records them)."""
     enable_compilation_cache(config.compilation_cache_dir)
     mesh = mesh if mesh is not None else default_placement(config)
     platform = jax.devices()[0].platform
@@ -116,20 +119,33 @@ def build_parts(config: EngineConfig, *, progress: bool = True, mesh=None, loade
         sample_vocab_size=min(loaded.config.vocab_size, loaded.tokenizer.vocab_size),
         logits_per_seq=1 + (config.speculative_config.num_speculative_tokens
                             if config.speculative_config is not None else 0))
+    spec = config.speculative_config
+    if spec is not None and spec.method in ("draft_model", "draft_head") and placement is not None:
+        raise ValueError(f"speculative_config method {spec.method!r} runs on one device: use "
+                         "tensor_parallel_size=1 and data_parallel_size=1 with it (ngram works on a mesh)")
+    head = None
+    if spec is not None and spec.method == "draft_head":
+        from engine.spec_decode.draft_head import load_head
+
+        head = load_head(spec.model)  # before compiling anything: a bad folder fails fast
     start = time.perf_counter()
     runner = ModelRunner(loaded.config, params, shapes, dtype=dtype, attention_backend=backend,
                          interpret=config.interpret, layer_loop=layer_loop,
                          precompile=config.precompile,
-                         background_compile=config.background_compile, progress=progress, placement=placement)
+                         background_compile=config.background_compile, progress=progress, placement=placement,
+                         keep_hidden=keep_hidden or head is not None)
     proposer = None
-    spec = config.speculative_config
     if spec is not None and spec.method == "draft_model":
-        if placement is not None:
-            raise ValueError("speculative_config method 'draft_model' runs on one device: use "
-                             "tensor_parallel_size=1 and data_parallel_size=1 with it (ngram works on a mesh)")
         proposer = build_draft_proposer(config, shapes, loaded, dtype=dtype, backend=backend,
                                         platform=platform, max_model_len=max_model_len,
                                         progress=progress)
+    elif head is not None:
+        from engine.spec_decode.draft_head import DraftHeadProposer
+
+        cfg, head_params, vocab_map, _ = head
+        proposer = DraftHeadProposer(runner, cfg, head_params, vocab_map, spec.num_speculative_tokens,
+                                     min_confidence=spec.draft_confidence_threshold,
+                                     precompile=config.precompile)
     return EngineParts(
         config=config, scheduler=scheduler, runner=runner, tokenizer=loaded.tokenizer,
         max_model_len=max_model_len, model_name=_model_name(config.model, loaded.config.name),

@@ -64,7 +64,7 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, params, shapes: RunnerShapes, *, dtype: str,
                  attention_backend: str, interpret: bool = False, layer_loop: str = "unrolled",
                  precompile: bool = True, progress: bool = True, placement: Placement | None = None,
-                 background_compile: bool = False):
+                 background_compile: bool = False, keep_hidden: bool = False):
         self.model_config = model_config
         self.layer_loop = layer_loop  # engine/config.py LAYER_LOOPS
         self.shapes = shapes
@@ -81,8 +81,11 @@ class ModelRunner:
             self.kv_cache = allocate_kv_cache(model_config, shapes.num_blocks, shapes.block_size, dtype,
                                               bits=bits)
             forward = functools.partial(_forward_plain, config=model_config, attention_backend=attention_backend,
-                                        interpret=interpret, scan_layers=layer_loop != "unrolled")
+                                        interpret=interpret, scan_layers=layer_loop != "unrolled",
+                                        return_hidden=keep_hidden)
         else:
+            if keep_hidden:
+                raise ValueError("ModelRunner(keep_hidden=True) runs on one device (no placement)")
             # On a mesh (engine/placement.py): params already padded, fused per shard and placed
             # shard by shard; the cache split on KV heads; inputs and the table replicated.
             self.params = params
@@ -96,7 +99,16 @@ class ModelRunner:
                                     block_size=shapes.block_size, vocab_size=shapes.sample_vocab_size)
         self._step = functools.partial(_step, forward=forward, num_logprobs=shapes.num_logprobs,
                                        sample_vocab_size=shapes.sample_vocab_size,
-                                       num_speculative_tokens=shapes.logits_per_seq - 1)
+                                       num_speculative_tokens=shapes.logits_per_seq - 1,
+                                       hidden_rows=shapes.bucket_of(shapes.token_buckets[-1]).padded_logits
+                                       if keep_hidden else 0)
+        # keep_hidden (a draft head reads it, engine/spec_decode/draft_head.py): after each step,
+        # `hidden` is the target's final hidden state at its logit rows (float32 [max L, e], on the
+        # device, padded to the largest bucket's L so its shape never changes) and `hidden_rows`
+        # maps each request that sampled to the row of its last kept token.
+        self.keep_hidden = keep_hidden
+        self.hidden: jax.Array | None = None
+        self.hidden_rows: dict[str, int] = {}
         self._compiled: dict[Bucket, object] = {}
         self._idle_masks: dict[Bucket, jax.Array] = {}
         self.num_padded_tokens = 0  # padding tokens fed so far (for the padding share)
@@ -222,6 +234,7 @@ class ModelRunner:
         prof = self.profile
         t0 = time.perf_counter() if prof is not None else 0.0
         self.table.apply(out)
+        self.hidden_rows = {}
         if out.is_empty:
             return StepResult([], [])
         num_logits = sum(sr.num_logits for sr in out.scheduled)
@@ -234,12 +247,12 @@ class ModelRunner:
             flat = jax.device_put(built.buffer, self._input_sharding).block_until_ready()
             mask = self._token_mask(bucket, built).block_until_ready()
             t2 = time.perf_counter()
-            self.kv_cache, self.table.state, packed = executable(
+            self.kv_cache, self.table.state, packed, *hidden = executable(
                 self.params, self.kv_cache, self.table.state, flat, mask)
             packed.block_until_ready()
             t3 = time.perf_counter()
         else:
-            self.kv_cache, self.table.state, packed = executable(
+            self.kv_cache, self.table.state, packed, *hidden = executable(
                 self.params, self.kv_cache, self.table.state,
                 jax.device_put(built.buffer, self._input_sharding), self._token_mask(bucket, built))
         host = np.asarray(jax.device_get(packed))
@@ -251,6 +264,8 @@ class ModelRunner:
         num_kept = built.row_num_logits.copy()
         result = self._read_result(out, host, built.row_num_logits, built.row_slots, sampling, num_kept)
         self.table.commit(built.row_slots, num_kept)
+        if hidden:
+            self.hidden, self.hidden_rows = hidden[0], _hidden_rows(out, built.row_num_logits, result)
         if prof is not None:
             prof.record_runner(bucket, build=t1 - t0, h2d=t2 - t1, device=t3 - t2, d2h=t4 - t3,
                                read=time.perf_counter() - t4)
@@ -303,16 +318,31 @@ class ModelRunner:
         return StepResult(req_ids, tokens, logprobs if any_logprobs else None, rejected, prompt_logprobs)
 
 
+def _hidden_rows(out: SchedulerOutput, row_num_logits, result: StepResult) -> dict[str, int]:
+    """Each sampling request's hidden row: its block of logit rows ends at its last draft; the
+    row of its last kept token is that minus the drafts it rejected."""
+    rejected = dict(zip(result.req_ids, result.num_rejected_tokens or [0] * len(result.req_ids)))
+    rows, offset = {}, 0
+    for row, sr in enumerate(out.scheduled):
+        n = int(row_num_logits[row])
+        if n and sr.req_id in rejected:
+            rows[sr.req_id] = offset + n - 1 - rejected[sr.req_id]
+        offset += n
+    return rows
+
+
 def _forward_plain(params, kv_cache, inputs, *, config, **kwargs):
     return forward_paged(params, config, kv_cache, inputs, **kwargs)
 
 
 def _step(params, kv_cache, table, flat, token_mask, *, layout: StepLayout, forward, num_logprobs,
-          sample_vocab_size, num_speculative_tokens):
+          sample_vocab_size, num_speculative_tokens, hidden_rows=0):
     inputs = layout.unpack(flat, token_mask)
     table = table.with_joins(inputs.join_slots, inputs.join_values())
-    kv_cache, logits = forward(params, kv_cache, inputs)
+    kv_cache, logits, *hidden = forward(params, kv_cache, inputs)
     # A checkpoint may pad its vocabulary past the tokenizer's: those ids are never sampled.
     table, packed = sample(logits[:, :sample_vocab_size], inputs, table, num_logprobs=num_logprobs,
                            num_speculative_tokens=num_speculative_tokens)
+    if hidden_rows:  # the final hidden state at the logit rows, padded to a fixed row count
+        return kv_cache, table, packed, jnp.pad(hidden[0], ((0, hidden_rows - hidden[0].shape[0]), (0, 0)))
     return kv_cache, table, packed

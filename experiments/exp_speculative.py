@@ -29,8 +29,9 @@ import numpy as np
 from absl import app, flags
 
 _MODEL = flags.DEFINE_string("model", "default", "target model spec")
-_METHOD = flags.DEFINE_enum("method", "ngram", ["ngram", "draft_model"], "proposer")
-_DRAFT = flags.DEFINE_string("draft_model", None, "draft_model: the draft's model spec")
+_METHOD = flags.DEFINE_enum("method", "ngram", ["ngram", "draft_model", "draft_head"], "proposer")
+_DRAFT = flags.DEFINE_string("draft_model", None, "draft_model: the draft's model spec; draft_head: "
+                             "the head's folder (default: DEFAULT_HEAD, trained once if missing)")
 _K = flags.DEFINE_integer("num_speculative_tokens", 3, "k")
 _WORKLOAD = flags.DEFINE_enum("workload", "rewrite", ["rewrite", "sharegpt"], "prompts")
 _CONC = flags.DEFINE_list("concurrencies", ["1", "4", "16"], "requests in flight")
@@ -41,6 +42,9 @@ _MAX_SEQS = flags.DEFINE_integer("max_num_seqs", 16, "max_num_seqs")
 _BUDGET = flags.DEFINE_integer("max_num_batched_tokens", 256, "token budget")
 _BUCKETS = flags.DEFINE_list("token_buckets", [], "token buckets (default: derived)")
 _OUT_DIR = flags.DEFINE_string("out_dir", "experiments/results", "where the JSON and table go")
+
+# The default model's draft head: trained once by experiments.train_draft and cached here.
+DEFAULT_HEAD = "~/.cache/jaxserve/draft_heads/default"
 
 REWRITE = ("Repeat the following passage exactly, word for word, and say nothing else.\n\n{}")
 
@@ -114,6 +118,19 @@ def _run_arm(engine, prompts, arm: str, c: int, spec_for) -> ArmResult:
                      stats.num_switch_offs if stats else 0)
 
 
+def ensure_head(folder: str, model: str) -> str:
+    """The draft head's folder; trains it there first (experiments.train_draft, a few CPU minutes
+    for the default model) when it holds no head yet."""
+    import subprocess
+
+    folder = os.path.expanduser(folder)
+    if not os.path.exists(os.path.join(folder, "draft_head.json")):
+        print(f"no draft head in {folder}: training one (python -m experiments.train_draft)", flush=True)
+        subprocess.run([sys.executable, "-m", "experiments.train_draft", f"--model={model}", f"--out={folder}"],
+                       check=True)
+    return folder
+
+
 def main(argv) -> None:
     del argv
     from engine.config import EngineConfig
@@ -122,8 +139,10 @@ def main(argv) -> None:
     from engine.spec_decode.config import SpeculativeConfig
 
     concurrencies = [int(c) for c in _CONC.value]
-    spec = dict(method=_METHOD.value, num_speculative_tokens=_K.value,
-                **({"model": _DRAFT.value} if _DRAFT.value else {}))
+    draft = _DRAFT.value
+    if _METHOD.value == "draft_head":
+        draft = ensure_head(draft or DEFAULT_HEAD, _MODEL.value)
+    spec = dict(method=_METHOD.value, num_speculative_tokens=_K.value, **({"model": draft} if draft else {}))
     knobs = dict(model=_MODEL.value, max_num_seqs=_MAX_SEQS.value,
                  max_num_batched_tokens=_BUDGET.value, speculative_config=spec)
     if _BUCKETS.value:

@@ -219,8 +219,13 @@ def forward_paged(
     interpret: bool = False,
     tp_axis: str | None = None,
     scan_layers: bool = False,
+    return_hidden: bool = False,
 ):
     """One step over a ragged batch; returns ((k_cache, v_cache), logits [L, v] float32).
+
+    return_hidden: also return the final hidden state (the residual stream after the last layer,
+    before the final norm; float32 [L, e]) at `logits_indices`, as a third value (a draft head
+    reads it: engine/spec_decode/draft_head.py).
 
     tp_axis: inside a shard_map over that mesh axis (models/sharding.py), `params`, `kv_cache`
     and `config` are one shard's (its heads, MLP columns and vocabulary rows); the residual
@@ -296,10 +301,12 @@ def forward_paged(
 
         indices = jnp.arange(num_layers_of(params), dtype=jnp.int32)
         (x, k_cache, v_cache), _ = jax.lax.scan(body, (x, k_cache, v_cache), (layers, indices))
-    h = rms_norm(x[batch.logits_indices], params["final_norm"], config.rms_norm_eps)
-    logits = _logits(params, h)
+    hidden = x[batch.logits_indices]
+    logits = _logits(params, rms_norm(hidden, params["final_norm"], config.rms_norm_eps))
     if tp_axis is not None:
         logits = jax.lax.all_gather(logits, tp_axis, axis=1, tiled=True)
+    if return_hidden:
+        return (k_cache, v_cache), logits, hidden
     return (k_cache, v_cache), logits
 
 

@@ -4,8 +4,10 @@ One step with speculation, in order:
  1. Before `Scheduler.schedule()`, the engine's `SpecDecoder` (controller.py) asks the load switch
     (switch.py) whether this step speculates at all (decode rows and their share of the token
     budget, with hysteresis), picks the decode rows whose acceptance EMA allows drafting (or that
-    are due a re-probe), and has the proposer (ngram.py, draft_model.py; one interface, base.py)
-    write up to k drafts into each one's `Request.spec_token_ids`.
+    are due a re-probe), and has the proposer (ngram.py, draft_model.py, draft_head.py; one
+    interface, base.py) write up to k drafts into each one's `Request.spec_token_ids`. The draft
+    head drafts here from the target's final hidden states of the previous step (kept on the
+    device by the runner); the draft model writes placeholders and fills them after schedule().
  2. The scheduler schedules such a row as 1 + d tokens (its last token and d <= k drafts), counts
     them in the token budget, allocates their KV slots, and asks for 1 + d logit rows.
  3. The compiled step samples every logit row exactly as without speculation (same rng step per

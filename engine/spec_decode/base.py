@@ -5,8 +5,9 @@ A proposer is anything with
     propose(requests: list[scheduler.Request]) -> list[list[int]]
 returning up to k draft tokens per request (possibly none) for rows about to decode; it reads the
 requests' tokens and never changes them. Host proposers (ngram.py) compute drafts there and
-then; a device proposer (draft_model.py) returns what its own compiled steps drafted in the
-previous step. Verification does not depend on the proposer (engine/spec_decode/verify.py).
+then; a device proposer either fills placeholders after schedule() (draft_model.py: its own
+compiled steps) or drafts on the device from the target's last step (draft_head.py: the target's
+final hidden states, kept on the device by the runner). Verification does not depend on the proposer (engine/spec_decode/verify.py).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ class Proposer(Protocol):
 def make_spec_decoder(config: SpeculativeConfig | None, runner, *, max_num_batched_tokens: int,
                       proposer=None) -> SpecDecoder | None:
     """The engine's SpecDecoder, or None when speculation is off. A draft_model proposer holds a
-    compiled runner, so it is built with the engine's parts (engine/builder.py) and passed in."""
+    compiled runner and a draft_head proposer reads the target runner's hidden states, so both are
+    built with the engine's parts (engine/builder.py) and passed in."""
     if config is None:
         return None
     if proposer is not None:
@@ -38,8 +40,9 @@ def make_spec_decoder(config: SpeculativeConfig | None, runner, *, max_num_batch
         proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                                  config.prompt_lookup_max)
     else:
-        raise ValueError("speculative_config.method='draft_model' needs a draft runner: LLMEngine(config) "
-                         "builds one from speculative_config.model (LLMEngine.from_parts takes proposer=)")
+        needs = "a draft runner" if config.method == "draft_model" else "a target runner with keep_hidden=True"
+        raise ValueError(f"speculative_config.method={config.method!r} needs {needs}: LLMEngine(config) "
+                         "builds it from speculative_config.model (LLMEngine.from_parts takes proposer=)")
     shapes = getattr(runner, "shapes", None)
     if shapes is not None and shapes.logits_per_seq != 1 + config.num_speculative_tokens:
         raise ValueError(f"speculative_config.num_speculative_tokens={config.num_speculative_tokens}: "

@@ -9,18 +9,20 @@ from __future__ import annotations
 
 import dataclasses
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "draft_head")
 
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str = "ngram"  # ngram (prompt lookup) | draft_model
+    method: str = "ngram"  # ngram (prompt lookup) | draft_model | draft_head (EAGLE-style head)
     num_speculative_tokens: int = 3  # k: drafts per row; one value per engine (1 + k logit rows)
     # ngram: the longest suffix of the request's tokens of prompt_lookup_min..max tokens that
     # occurred before proposes the tokens that followed it.
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
-    model: str | None = None  # draft_model: any model spec the loaders take (shares the tokenizer)
+    # draft_model: any model spec the loaders take (shares the tokenizer); draft_head: the folder
+    # of a head trained for the target (python -m experiments.train_draft)
+    model: str | None = None
     # The load switch, per step: speculation is off while more than this many decode rows run
     # (None: never by batch size) ...
     disable_by_batch_size: int | None = 4
@@ -33,6 +35,10 @@ class SpeculativeConfig:
     min_acceptance_rate: float = 0.2
     acceptance_ema_alpha: float = 0.3
     probe_interval: int = 16
+    # draft_head: a row's chain stops before the first draft whose confidence (the product of the
+    # head's top-1 probabilities up to it) is below this, so unlikely drafts cost no verification;
+    # 0 always drafts k. The default is from the held-out sweep in BUILD_NOTES.md.
+    draft_confidence_threshold: float = 0.25
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -47,6 +53,9 @@ class SpeculativeConfig:
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative_config.model: method 'draft_model' needs a draft model spec "
                              "(a GGUF file, a HF folder, an orbax folder or random:<name>)")
+        if self.method == "draft_head" and not self.model:
+            raise ValueError("speculative_config.model: method 'draft_head' needs the folder of a draft "
+                             "head trained for the target (python -m experiments.train_draft)")
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
             raise ValueError(f"speculative_config.model must be a non-empty string, got {self.model!r}")
         if self.disable_by_batch_size is not None:
@@ -56,6 +65,7 @@ class SpeculativeConfig:
         _fraction("min_acceptance_rate", self.min_acceptance_rate, allow_zero=True)
         _fraction("acceptance_ema_alpha", self.acceptance_ema_alpha)
         _int("probe_interval", self.probe_interval, 1)
+        _fraction("draft_confidence_threshold", self.draft_confidence_threshold, allow_zero=True)
 
     @classmethod
     def from_value(cls, value) -> SpeculativeConfig | None:

@@ -70,6 +70,7 @@ def test_acceptance_tracker_disables_low_acceptance_and_probes_again():
     (dict(num_speculative_tokens=0), "speculative_config.num_speculative_tokens"),
     (dict(prompt_lookup_min=3, prompt_lookup_max=2), "prompt_lookup_max"),
     (dict(method="draft_model"), "speculative_config.model"),
+    (dict(method="draft_head"), "speculative_config.model"),
     (dict(disable_by_token_share=0), "disable_by_token_share"),
     (dict(min_acceptance_rate=1.5), "min_acceptance_rate"),
     (dict(num_speculative_tokens=3, lookahead=2), "unknown key"),

@@ -11,6 +11,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize("value, message", [
     ('{"method": "bogus"}', "speculative_config.method"),
+    ('{"method": "draft_head"}', "speculative_config.model"),
     ("ngram", "must be a JSON object"),
 ])
 def test_bad_speculative_config_flag_is_refused_by_name(value, message):
