@@ -13,20 +13,23 @@
    have finished (at least `--num_requests`); it records output tokens/s, the p95 inter-token
    latency (a step that emits several tokens of a request counts each at the average gap), and the
    speculation counters. The arms interleave per concurrency, so they share the machine's state.
-4. Writes JSON and a markdown table (`--out_dir`), and prints the table, the speed-up of `on` and
-   `auto` over `off` at each concurrency, and the crossover (the first c where `on` loses to `off`).
+4. Writes JSON, a markdown table and a plot (`--out_dir`: speculative_<workload>_<method>.*:
+   throughput and p95 ITL per arm against concurrency), and prints the table, the speed-up of
+   `on` and `auto` over `off` at each concurrency, the crossover (the first c where `on` loses to
+   `off`), and whether `auto` reached 0.95x the better of `off` and `on` at every c.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 import time
 
 import numpy as np
 from absl import app, flags
+
+from experiments import report
 
 _MODEL = flags.DEFINE_string("model", "default", "target model spec")
 _METHOD = flags.DEFINE_enum("method", "ngram", ["ngram", "draft_model", "draft_head"], "proposer")
@@ -41,6 +44,7 @@ _OUT_LEN = flags.DEFINE_integer("output_len", 96, "new tokens per request")
 _MAX_SEQS = flags.DEFINE_integer("max_num_seqs", 16, "max_num_seqs")
 _BUDGET = flags.DEFINE_integer("max_num_batched_tokens", 256, "token budget")
 _BUCKETS = flags.DEFINE_list("token_buckets", [], "token buckets (default: derived)")
+_DTYPE = flags.DEFINE_string("dtype", None, "model dtype (default: the platform's, float32 on the CPU)")
 _OUT_DIR = flags.DEFINE_string("out_dir", "experiments/results", "where the JSON and table go")
 
 # The default model's draft head: trained once by experiments.train_draft and cached here.
@@ -143,7 +147,7 @@ def main(argv) -> None:
     if _METHOD.value == "draft_head":
         draft = ensure_head(draft or DEFAULT_HEAD, _MODEL.value)
     spec = dict(method=_METHOD.value, num_speculative_tokens=_K.value, **({"model": draft} if draft else {}))
-    knobs = dict(model=_MODEL.value, max_num_seqs=_MAX_SEQS.value,
+    knobs = dict(model=_MODEL.value, dtype=_DTYPE.value, max_num_seqs=_MAX_SEQS.value,
                  max_num_batched_tokens=_BUDGET.value, speculative_config=spec)
     if _BUCKETS.value:
         knobs["token_buckets"] = tuple(int(b) for b in _BUCKETS.value)
@@ -173,30 +177,54 @@ def main(argv) -> None:
             results.append(r)
             print(f"c={c:3d} {arm:4s} {r.tokens_per_s:7.2f} tok/s  itl_p95 {r.itl_p95_ms:7.1f} ms  "
                   f"accept {r.acceptance_rate:.2f}  mean_len {r.mean_accepted_length:.2f}", flush=True)
+    name = f"speculative_{_WORKLOAD.value}_{_METHOD.value}"
+    summary, text = summarize(results, concurrencies)
+    summary = {"command": report.command_line(), "method": _METHOD.value, "workload": _WORKLOAD.value,
+               "k": _K.value, "model": _MODEL.value, "dtype": engine.dtype, **summary,
+               "environment": report.environment()}
+    print(text)
+    report.write_results(_OUT_DIR.value, name, summary, text, plot(results, name))
+
+
+def summarize(results: list[ArmResult], concurrencies: list[int]) -> tuple[dict, str]:
+    """The table, each arm's ratio to off, the crossover (the first concurrency where always-on
+    loses to off) and the automatic arm's goal (>= 0.95x the better of off and on at every c)."""
     by = {(r.arm, r.concurrency): r for r in results}
-    lines = [f"# exp_speculative: {_WORKLOAD.value}, {_METHOD.value}, k={_K.value}, model {_MODEL.value}", "",
-             "| c | arm | tok/s | vs off | ITL p95 ms | acceptance | mean accepted len | switch-offs |",
-             "|---|---|---|---|---|---|---|---|"]
-    crossover = None
+    rows, crossover, goals = [], None, []
     for r in results:
         off = by.get(("off", r.concurrency))
         ratio = r.tokens_per_s / off.tokens_per_s if off else float("nan")
-        lines.append(f"| {r.concurrency} | {r.arm} | {r.tokens_per_s:.2f} | {ratio:.2f}x | {r.itl_p95_ms:.1f} | "
-                     f"{r.acceptance_rate:.2f} | {r.mean_accepted_length:.2f} | {r.num_switch_offs} |")
+        rows.append([r.concurrency, r.arm, r.tokens_per_s, f"{ratio:.2f}x", r.itl_p95_ms, r.acceptance_rate,
+                     r.mean_accepted_length, r.num_switch_offs])
         if r.arm == "on" and off and ratio < 1 and crossover is None:
             crossover = r.concurrency
-    lines += ["", f"crossover (first c where always-on loses to off): {crossover}"]
-    table = "\n".join(lines)
-    print(table)
-    os.makedirs(_OUT_DIR.value, exist_ok=True)
-    name = f"speculative_{_WORKLOAD.value}_{_METHOD.value}"
-    with open(os.path.join(_OUT_DIR.value, name + ".json"), "w") as f:
-        json.dump({"command": "python -m experiments.exp_speculative " + " ".join(sys.argv[1:]),
-                   "results": [dataclasses.asdict(r) for r in results], "crossover": crossover,
-                   "load_average": os.getloadavg()}, f, indent=1)
-    with open(os.path.join(_OUT_DIR.value, name + ".md"), "w") as f:
-        f.write(table + "\n")
+    for c in concurrencies:
+        best = max((by[(a, c)].tokens_per_s for a in ("off", "on") if (a, c) in by), default=None)
+        if best and ("auto", c) in by:
+            goals.append(report.goal(f"c={c}: auto / best of off and on", by[("auto", c)].tokens_per_s / best, 0.95))
+    text = report.markdown_table(["c", "arm", "tok/s", "vs off", "ITL p95 ms", "acceptance",
+                                  "mean accepted len", "switch-offs"], rows)
+    text += f"\ncrossover (first c where always-on loses to off): {crossover}\n"
+    if goals:
+        text += "\n" + report.goals_text(goals)
+    return {"results": [dataclasses.asdict(r) for r in results], "crossover": crossover, "goals": goals}, text
 
+
+def plot(results: list[ArmResult], title: str):
+    fig, (ax_tput, ax_itl) = report.new_figure(2, width=5.5)
+    for arm in dict.fromkeys(r.arm for r in results):
+        mine = sorted((r for r in results if r.arm == arm), key=lambda r: r.concurrency)
+        xs = [r.concurrency for r in mine]
+        ax_tput.plot(xs, [r.tokens_per_s for r in mine], marker="o", label=arm)
+        ax_itl.plot(xs, [r.itl_p95_ms for r in mine], marker="o", label=arm)
+    for ax, label in ((ax_tput, "output tokens/s"), (ax_itl, "p95 inter-token latency (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency (requests in flight)")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    ax_tput.set_title(title)
+    return fig
 
 if __name__ == "__main__":
     app.run(main)

@@ -1,0 +1,20 @@
+"""exp_speculative's summary: each arm against off, the crossover, and the automatic arm's goal."""
+
+from experiments.exp_speculative import ArmResult, summarize
+
+
+def _arm(arm, c, tok_s):
+    return ArmResult(arm, c, 8, 100, 100 / tok_s, tok_s, 50.0, 0.5 if arm != "off" else 0.0, 2.0, 0)
+
+
+def test_crossover_is_the_first_concurrency_where_always_on_loses_and_auto_is_judged_per_c():
+    results = [_arm("off", 1, 10.0), _arm("on", 1, 15.0), _arm("auto", 1, 14.5),
+               _arm("off", 4, 30.0), _arm("on", 4, 31.0), _arm("auto", 4, 30.0),
+               _arm("off", 16, 60.0), _arm("on", 16, 50.0), _arm("auto", 16, 55.0),
+               _arm("off", 64, 80.0), _arm("on", 64, 60.0), _arm("auto", 64, 79.0)]
+    summary, text = summarize(results, [1, 4, 16, 64])
+    assert summary["crossover"] == 16
+    met = {g["goal"]: g["met"] for g in summary["goals"]}
+    assert met == {"c=1: auto / best of off and on": True, "c=4: auto / best of off and on": True,
+                   "c=16: auto / best of off and on": False, "c=64: auto / best of off and on": True}
+    assert "| 16 | on | 50.0 | 0.83x |" in text and "crossover (first c where always-on loses to off): 16" in text
