@@ -128,9 +128,11 @@ def shared_from_target(target_params: dict, vocab_map) -> dict:
     """The target's arrays the head reads: its embedding and final norm (the same arrays), and
     lm_draft [e, V'], its lm_head (or tied embedding) at the vocab_map's ids, as float32."""
     ids = jnp.asarray(vocab_map, jnp.int32)
-    if "lm_head" in target_params:
+    if "output_proj" in target_params:  # the served layout's untied lm_head [v, e]
+        lm = embed_tokens(target_params["output_proj"], ids).T
+    elif "lm_head" in target_params:  # the loaders' untied lm_head [e, v]
         lm = jnp.take(target_params["lm_head"], ids, axis=1)
-    else:
+    else:  # tied: the embedding [v, e]
         lm = embed_tokens(target_params["embed"], ids).T
     return {"embed": target_params["embed"], "final_norm": target_params["final_norm"],
             "lm_draft": lm.astype(jnp.float32), "vocab_map": ids}

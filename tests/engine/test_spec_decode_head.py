@@ -252,3 +252,22 @@ def test_bad_heads_are_refused_naming_the_key(head_engine, tmp_path):
     # A target runner that does not keep its hidden states.
     with pytest.raises(ValueError, match="keep_hidden"):
         DraftHeadProposer(object(), cfg, params, vocab_map, 3, precompile=False)
+
+
+def test_lm_draft_is_the_targets_own_head_in_every_layout():
+    """An untied target: the head's truncated lm_head is the target's lm_head at the draft ids,
+    whether the target's params are the loaders' layout (lm_head [e, v]) or the served one
+    (output_proj [v, e], what a runner holds)."""
+    import dataclasses
+
+    from engine.spec_decode.draft_head import shared_from_target
+    from models.config import preset_config
+    from models.random_weights import random_params
+    from models.served_layout import fuse_projections
+
+    config = dataclasses.replace(preset_config("tiny"), tie_word_embeddings=False)
+    loader = random_params(config, seed=3)
+    ids = np.array([5, 1, 77, 30], np.int32)
+    expected = np.asarray(loader["lm_head"])[:, ids]
+    for params in (loader, fuse_projections(loader)):
+        np.testing.assert_allclose(np.asarray(shared_from_target(params, ids)["lm_draft"]), expected)
