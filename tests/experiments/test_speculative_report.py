@@ -1,6 +1,6 @@
-"""exp_speculative's summary: each arm against off, the crossover, and the automatic arm's goal."""
+"""exp_speculative's summary (experiments.speculative_summary): each arm against off, the crossover, the automatic arm's goal."""
 
-from experiments.exp_speculative import ArmResult, summarize
+from experiments.speculative_summary import ArmResult, summarize
 
 
 def _arm(arm, c, tok_s):
