@@ -12,7 +12,8 @@
 3. For each concurrency c, a closed loop keeps c requests in flight until `--num_requests` x c
    have finished (at least `--num_requests`); it records output tokens/s, the p95 inter-token
    latency (a step that emits several tokens of a request counts each at the average gap), and the
-   speculation counters. The arms interleave per concurrency, so they share the machine's state.
+   speculation counters. The arms interleave per concurrency, so they share the machine's state;
+   `--rounds=R` repeats the interleaved arms R times and reports each arm's median round.
 4. Writes JSON, a markdown table and a plot (`--out_dir`: speculative_<workload>_<method>.*:
    throughput and p95 ITL per arm against concurrency), and prints the table, the speed-up of
    `on` and `auto` over `off` at each concurrency, the crossover (the first c where `on` loses to
@@ -30,7 +31,7 @@ import numpy as np
 from absl import app, flags
 
 from experiments import report
-from experiments.speculative_summary import ArmResult, plot, summarize
+from experiments.speculative_summary import ArmResult, median_of_rounds, plot, summarize
 
 _MODEL = flags.DEFINE_string("model", "default", "target model spec")
 _METHOD = flags.DEFINE_enum("method", "ngram", ["ngram", "draft_model", "draft_head"], "proposer")
@@ -46,6 +47,8 @@ _MAX_SEQS = flags.DEFINE_integer("max_num_seqs", 16, "max_num_seqs")
 _BUDGET = flags.DEFINE_integer("max_num_batched_tokens", 256, "token budget")
 _BUCKETS = flags.DEFINE_list("token_buckets", [], "token buckets (default: derived)")
 _DTYPE = flags.DEFINE_string("dtype", None, "model dtype (default: the platform's, float32 on the CPU)")
+_ROUNDS = flags.DEFINE_integer("rounds", 1, "rounds per concurrency (arms interleaved in each); the "
+                               "median round is reported")
 _OUT_DIR = flags.DEFINE_string("out_dir", "experiments/results", "where the JSON and table go")
 
 # The default model's draft head: trained once by experiments.train_draft and cached here.
@@ -159,11 +162,14 @@ def main(argv) -> None:
     _run_arm(engine, prompts[:1], "on", 1, spec_for)  # warm-up
     results = []
     for c in concurrencies:
-        for arm in _ARMS.value:
-            r = _run_arm(engine, prompts, arm, c, spec_for)
-            results.append(r)
-            print(f"c={c:3d} {arm:4s} {r.tokens_per_s:7.2f} tok/s  itl_p95 {r.itl_p95_ms:7.1f} ms  "
-                  f"accept {r.acceptance_rate:.2f}  mean_len {r.mean_accepted_length:.2f}", flush=True)
+        rounds = {arm: [] for arm in _ARMS.value}
+        for _ in range(_ROUNDS.value):
+            for arm in _ARMS.value:
+                r = _run_arm(engine, prompts, arm, c, spec_for)
+                rounds[arm].append(r)
+                print(f"c={c:3d} {arm:4s} {r.tokens_per_s:7.2f} tok/s  itl_p95 {r.itl_p95_ms:7.1f} ms  "
+                      f"accept {r.acceptance_rate:.2f}  mean_len {r.mean_accepted_length:.2f}", flush=True)
+        results += [median_of_rounds(rounds[arm]) for arm in _ARMS.value]
     name = f"speculative_{_WORKLOAD.value}_{_METHOD.value}"
     summary, text = summarize(results, concurrencies)
     summary = {"command": report.command_line(), "method": _METHOD.value, "workload": _WORKLOAD.value,

@@ -21,6 +21,26 @@ class ArmResult:
     acceptance_rate: float
     mean_accepted_length: float
     num_switch_offs: int
+    tokens_per_s_rounds: list[float] = dataclasses.field(default_factory=list)  # one per round
+
+
+def median_of_rounds(rounds: list[ArmResult]) -> ArmResult:
+    """One arm at one concurrency over several interleaved rounds: the median throughput and p95
+    ITL, the totals summed, the speculation counters of the first round (greedy: every round drafts
+    and accepts the same tokens), and each round's throughput kept."""
+    first = rounds[0]
+    return dataclasses.replace(
+        first, num_requests=sum(r.num_requests for r in rounds), output_tokens=sum(r.output_tokens for r in rounds),
+        seconds=sum(r.seconds for r in rounds), tokens_per_s=_median([r.tokens_per_s for r in rounds]),
+        itl_p95_ms=_median([r.itl_p95_ms for r in rounds]),
+        num_switch_offs=max(r.num_switch_offs for r in rounds),
+        tokens_per_s_rounds=[round(r.tokens_per_s, 2) for r in rounds])
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
 
 
 def summarize(results: list[ArmResult], concurrencies: list[int]) -> tuple[dict, str]:

@@ -1,6 +1,6 @@
 """exp_speculative's summary (experiments.speculative_summary): each arm against off, the crossover, the automatic arm's goal."""
 
-from experiments.speculative_summary import ArmResult, summarize
+from experiments.speculative_summary import ArmResult, median_of_rounds, summarize
 
 
 def _arm(arm, c, tok_s):
@@ -18,3 +18,11 @@ def test_crossover_is_the_first_concurrency_where_always_on_loses_and_auto_is_ju
     assert met == {"c=1: auto / best of off and on": True, "c=4: auto / best of off and on": True,
                    "c=16: auto / best of off and on": False, "c=64: auto / best of off and on": True}
     assert "| 16 | on | 50.0 | 0.83x |" in text and "crossover (first c where always-on loses to off): 16" in text
+
+
+def test_rounds_report_the_median_throughput_and_keep_every_round():
+    rounds = [_arm("on", 4, 30.0), _arm("on", 4, 12.0), _arm("on", 4, 20.0)]
+    r = median_of_rounds(rounds)
+    assert r.tokens_per_s == 20.0 and r.tokens_per_s_rounds == [30.0, 12.0, 20.0]
+    assert r.num_requests == 24 and r.output_tokens == 300 and r.acceptance_rate == 0.5
+    assert median_of_rounds(rounds[:2]).tokens_per_s == 21.0
