@@ -8,9 +8,11 @@
    acceptance switch), `auto` uses the SpeculativeConfig defaults (both switches).
 2. Workloads: `rewrite` asks the model to repeat a passage taken from ShareGPT replies (drafts from
    the prompt hit), `sharegpt` uses ShareGPT prompts as they are. Greedy, ignore_eos, `--output_len`
-   new tokens per request.
-3. For each concurrency c, a closed loop keeps c requests in flight until `--num_requests` x c
-   have finished (at least `--num_requests`); it records output tokens/s, the p95 inter-token
+   new tokens per request. `--prefill=cached` (default) prefills every prompt once before the
+   arms, so each arm finds them in the prefix cache and measures decoding; `uncached` turns
+   prefix caching off and every arm prefills too.
+3. For each concurrency c, a closed loop keeps c requests in flight until max(`--num_requests`, c)
+   have finished; it records output tokens/s, the p95 inter-token
    latency (a step that emits several tokens of a request counts each at the average gap), and the
    speculation counters. The arms interleave per concurrency, so they share the machine's state;
    `--rounds=R` repeats the interleaved arms R times and reports each arm's median round.
@@ -49,6 +51,10 @@ _BUCKETS = flags.DEFINE_list("token_buckets", [], "token buckets (default: deriv
 _DTYPE = flags.DEFINE_string("dtype", None, "model dtype (default: the platform's, float32 on the CPU)")
 _ROUNDS = flags.DEFINE_integer("rounds", 1, "rounds per concurrency (arms interleaved in each); the "
                                "median round is reported")
+_PREFILL = flags.DEFINE_enum("prefill", "cached", ["cached", "uncached"],
+                             "cached: every prompt is prefilled once before the arms run, so each arm "
+                             "measures decoding (what speculation changes); uncached: prefix caching off, "
+                             "every arm prefills its prompts too")
 _OUT_DIR = flags.DEFINE_string("out_dir", "experiments/results", "where the JSON and table go")
 
 # The default model's draft head: trained once by experiments.train_draft and cached here.
@@ -112,6 +118,25 @@ def _run_arm(engine, prompts, arm: str, c: int, spec_for) -> ArmResult:
                      stats.num_switch_offs if stats else 0)
 
 
+def _cache_prompts(engine, prompts) -> None:
+    """Prefills every prompt once (one token each) so that every arm finds the same prompts in the
+    prefix cache; without it the first arm at each concurrency prefilled what the later arms then
+    found cached (off ran 1.4x slower in its first round than in its second). Checks that the
+    cache holds them all, so no arm evicts another's."""
+    from engine.sampling_params import SamplingParams
+
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"cache-{i}", prompt, one)
+    while engine.has_unfinished_requests():
+        engine.step()
+    full_blocks = sum(len(p) // engine.config.block_size for p in prompts)
+    num_blocks = engine.scheduler.config.num_blocks
+    if full_blocks > num_blocks // 2:
+        raise SystemExit(f"the prompts' {full_blocks} full blocks need more than half of the cache's "
+                         f"{num_blocks} blocks: pass --prefill=uncached or fewer prompts")
+
+
 def ensure_head(folder: str, model: str) -> str:
     """The draft head's folder; trains it there first (experiments.train_draft, a few CPU minutes
     for the default model) when it holds no head yet."""
@@ -138,7 +163,8 @@ def main(argv) -> None:
         draft = ensure_head(draft or DEFAULT_HEAD, _MODEL.value)
     spec = dict(method=_METHOD.value, num_speculative_tokens=_K.value, **({"model": draft} if draft else {}))
     knobs = dict(model=_MODEL.value, dtype=_DTYPE.value, max_num_seqs=_MAX_SEQS.value,
-                 max_num_batched_tokens=_BUDGET.value, speculative_config=spec)
+                 max_num_batched_tokens=_BUDGET.value, speculative_config=spec,
+                 enable_prefix_caching=_PREFILL.value == "cached")
     if _BUCKETS.value:
         knobs["token_buckets"] = tuple(int(b) for b in _BUCKETS.value)
     start = time.perf_counter()
@@ -160,6 +186,8 @@ def main(argv) -> None:
 
     prompts = _prompts(engine.tokenizer, _WORKLOAD.value, max(_NUM.value, max(concurrencies)))
     _run_arm(engine, prompts[:1], "on", 1, spec_for)  # warm-up
+    if _PREFILL.value == "cached":
+        _cache_prompts(engine, prompts)
     results = []
     for c in concurrencies:
         rounds = {arm: [] for arm in _ARMS.value}
@@ -173,6 +201,7 @@ def main(argv) -> None:
     name = f"speculative_{_WORKLOAD.value}_{_METHOD.value}"
     summary, text = summarize(results, concurrencies)
     summary = {"command": report.command_line(), "method": _METHOD.value, "workload": _WORKLOAD.value,
+               "prefill": _PREFILL.value,
                "k": _K.value, "model": _MODEL.value, "dtype": engine.dtype, **summary,
                "environment": report.environment()}
     print(text)

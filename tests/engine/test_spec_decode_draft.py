@@ -10,8 +10,12 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
-from tests.engine.conftest import TINY_KNOBS, run_to_completion, scheduler_as, spec_off
-from tests.engine.test_spec_decode_tiny import _prompts, same_tokens_on_and_off
+from tests.engine.conftest import TINY_KNOBS
+from tests.engine.test_spec_decode_tiny import (
+    _prompts,
+    same_tokens_on_and_off,
+    same_tokens_through_preemption_and_prefix_caching,
+)
 
 DRAFT_KNOBS = dict(
     TINY_KNOBS, token_buckets=(4, 16, 64),
@@ -66,17 +70,5 @@ def test_draft_model_gives_the_same_tokens_alone_and_in_a_batch_of_16(draft_engi
 
 def test_draft_model_through_preemption_and_prefix_caching(draft_engine):
     engine = draft_engine
-    prompts = _prompts(engine.model_config.vocab_size, seed=6)
-    params = SamplingParams(temperature=8.0, seed=2, max_tokens=40, ignore_eos=True)
-    requests = [(f"pc{i}", prompts[0] * 3 + p, params) for i, p in enumerate(prompts)]
-    with spec_off(engine):
-        off = run_to_completion(engine, [(f"off{r}", p, s) for r, p, s in requests])
-    before = engine.get_stats().num_compilations
-    with scheduler_as(engine, num_kv_blocks=25) as sched:
-        on = run_to_completion(engine, [(f"on{r}", p, s) for r, p, s in requests])
-        assert sched.stats.num_preemptions > 0 and sched.stats.prefix_cache_hits > 0
-        assert sched.stats.num_used_blocks == 0
-    for rid, _, _ in requests:
-        assert off[f"off{rid}"].outputs[0].token_ids == on[f"on{rid}"].outputs[0].token_ids, rid
-    assert engine.get_stats().num_compilations == before
+    same_tokens_through_preemption_and_prefix_caching(engine, seed=6)
     assert len(engine.spec.proposer.runner.table) == 0  # the draft's table followed every leave

@@ -30,8 +30,12 @@ from engine.spec_decode.draft_head import (
     save_head,
     shared_from_target,
 )
-from tests.engine.conftest import TINY_KNOBS, run_to_completion, scheduler_as, spec_off
-from tests.engine.test_spec_decode_tiny import _prompts, same_tokens_on_and_off
+from tests.engine.conftest import TINY_KNOBS, run_to_completion, scheduler_as
+from tests.engine.test_spec_decode_tiny import (
+    _prompts,
+    same_tokens_on_and_off,
+    same_tokens_through_preemption_and_prefix_caching,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SPEC = dict(method="draft_head", num_speculative_tokens=3, disable_by_batch_size=None,
@@ -127,21 +131,8 @@ def test_draft_head_through_preemption_prefix_caching_and_aborts_compiles_nothin
     from tests.scheduler.conftest import _check_invariants
 
     engine = head_engine
-    prompts = _prompts(engine.model_config.vocab_size, seed=8)
-    params = SamplingParams(temperature=8.0, seed=2, max_tokens=40, ignore_eos=True)
-    requests = [(f"pc{i}", prompts[0] * 3 + p, params) for i, p in enumerate(prompts)]
-    with spec_off(engine):
-        off = run_to_completion(engine, [(f"off{r}", p, s) for r, p, s in requests])
-    # Warm-up of the jitted table helpers that penalties and logprobs use on first sight.
-    run_to_completion(engine, [("warm", prompts[0], SamplingParams(temperature=8.0, top_k=20, max_tokens=8,
-                                                                   frequency_penalty=0.5, logprobs=2))])
+    same_tokens_through_preemption_and_prefix_caching(engine, seed=8)
     before = engine.get_stats().num_compilations
-    with scheduler_as(engine, num_kv_blocks=25) as sched:
-        on = run_to_completion(engine, [(f"on{r}", p, s) for r, p, s in requests])
-        assert sched.stats.num_preemptions > 0 and sched.stats.prefix_cache_hits > 0
-        assert sched.stats.num_used_blocks == 0
-    for rid, _, _ in requests:
-        assert off[f"off{rid}"].outputs[0].token_ids == on[f"on{rid}"].outputs[0].token_ids, rid
 
     # 120 requests with random aborts, stop strings, stop ids and penalties in a small pool.
     rng = np.random.default_rng(3)

@@ -57,6 +57,28 @@ def same_tokens_on_and_off(engine, prompts, params):
             after.num_accepted_tokens - before.num_accepted_tokens, after)
 
 
+def same_tokens_through_preemption_and_prefix_caching(engine, seed: int) -> None:
+    """8 seeded requests sharing a 3x-repeated prefix, off and then on in a 24-block pool (so
+    preemptions and prefix-cache hits happen while drafting): the same tokens, every block back,
+    nothing compiled."""
+    prompts = _prompts(engine.model_config.vocab_size, seed=seed)
+    params = SamplingParams(temperature=8.0, seed=2, max_tokens=40, ignore_eos=True)
+    requests = [(f"pc{i}", prompts[0] * 3 + p, params) for i, p in enumerate(prompts)]
+    with spec_off(engine):
+        off = run_to_completion(engine, [(f"off{r}", p, s) for r, p, s in requests])
+    # Warm-up of the jitted table helpers that penalties and logprobs use on first sight.
+    run_to_completion(engine, [("warm", prompts[0], SamplingParams(temperature=8.0, top_k=20, max_tokens=8,
+                                                                   frequency_penalty=0.5, logprobs=2))])
+    before = engine.get_stats().num_compilations
+    with scheduler_as(engine, num_kv_blocks=25) as sched:
+        on = run_to_completion(engine, [(f"on{r}", p, s) for r, p, s in requests])
+        assert sched.stats.num_preemptions > 0 and sched.stats.prefix_cache_hits > 0
+        assert sched.stats.num_used_blocks == 0
+    for rid, _, _ in requests:
+        assert off[f"off{rid}"].outputs[0].token_ids == on[f"on{rid}"].outputs[0].token_ids, rid
+    assert engine.get_stats().num_compilations == before
+
+
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
     SamplingParams(temperature=8.0, top_p=0.95, top_k=50, seed=11, max_tokens=20, ignore_eos=True),
