@@ -24,8 +24,9 @@ class SpeculativeConfig:
     # of a head trained for the target (python -m experiments.train_draft)
     model: str | None = None
     # The load switch, per step: speculation is off while more than this many decode rows run
-    # (None: never by batch size) ...
-    disable_by_batch_size: int | None = 4
+    # (None: never by batch size) ... 2 from the CPU sweep (exp_speculative): always-on drafting
+    # lost to off from 4 rows on (rewrite/ngram 0.95x, ShareGPT 0.8x) and gained at 1-2.
+    disable_by_batch_size: int | None = 2
     # ... or while decode rows with their drafts would take more than this share of the token
     # budget; it comes back on below `enable_hysteresis` times either threshold, so it does not flap.
     disable_by_token_share: float = 0.5
