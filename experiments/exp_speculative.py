@@ -126,17 +126,17 @@ def _cache_prompts(engine, prompts, max_concurrency: int) -> None:
     cache holds them all beside the largest concurrency's own blocks, so no arm evicts another's."""
     from engine.sampling_params import SamplingParams
 
-    one = SamplingParams(temperature=0.0, max_tokens=1)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"cache-{i}", prompt, one)
-    while engine.has_unfinished_requests():
-        engine.step()
     block = engine.config.block_size
     need = sum(len(p) // block for p in prompts) + max_concurrency * (-(-(_OUT_LEN.value + block) // block))
     num_blocks = engine.scheduler.config.num_blocks
     if need > num_blocks:
         raise SystemExit(f"the cached prompts and {max_concurrency} running requests need {need} KV blocks, "
                          f"the cache has {num_blocks}: pass a larger --num_kv_blocks (or --prefill=uncached)")
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"cache-{i}", prompt, one)
+    while engine.has_unfinished_requests():
+        engine.step()
 
 
 def ensure_head(folder: str, model: str) -> str:

@@ -26,8 +26,8 @@ class ArmResult:
 
 def median_of_rounds(rounds: list[ArmResult]) -> ArmResult:
     """One arm at one concurrency over several interleaved rounds: the median throughput and p95
-    ITL, the totals summed, the speculation counters of the first round (greedy: every round drafts
-    and accepts the same tokens), and each round's throughput kept."""
+    ITL, the totals summed, the acceptance counters of the first round (greedy: every round drafts
+    and accepts the same tokens), the most switch-offs of any round, and each round's throughput."""
     first = rounds[0]
     return dataclasses.replace(
         first, num_requests=sum(r.num_requests for r in rounds), output_tokens=sum(r.output_tokens for r in rounds),
