@@ -77,6 +77,7 @@ UNIT_SECONDS = {
     "tests/pallas_kernels/test_layers.py": 24, "tests/entrypoints/test_server_load.py": 23,
     "tests/models/test_paged_equals_dense.py": 16, "tests/engine/test_tensor_parallel.py": 15,
     "tests/entrypoints/test_server_tiny.py": 12, "tests/engine/test_spec_decode_head.py": 45,
+    "tests/experiments/test_speculative_report.py": 15,
 }
 
 

@@ -26,3 +26,32 @@ def test_rounds_report_the_median_throughput_and_keep_every_round():
     assert r.tokens_per_s == 20.0 and r.tokens_per_s_rounds == [30.0, 12.0, 20.0]
     assert r.num_requests == 24 and r.output_tokens == 300 and r.acceptance_rate == 0.5
     assert median_of_rounds(rounds[:2]).tokens_per_s == 21.0
+
+
+def test_the_sweep_end_to_end_on_random_tiny(tmp_path):
+    """exp_speculative's command line at toy size (a subprocess: its absl flags are global): two
+    concurrencies, two interleaved rounds, prompts cached first; what it writes and its accounting."""
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.exp_speculative", "--model=random:tiny", "--concurrencies=1,2",
+         "--num_requests=2", "--output_len=8", "--rounds=2", "--max_num_seqs=4", "--max_num_batched_tokens=64",
+         "--token_buckets=4,16,64", f"--out_dir={tmp_path}"],
+        cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = json.loads((tmp_path / "speculative_rewrite_ngram.json").read_text())
+    assert s["prefill"] == "cached" and s["method"] == "ngram" and s["crossover"] in (None, 1, 2)
+    assert [(r["concurrency"], r["arm"]) for r in s["results"]] == [
+        (c, a) for c in (1, 2) for a in ("off", "on", "auto")]
+    for r in s["results"]:
+        assert len(r["tokens_per_s_rounds"]) == 2 and r["output_tokens"] == 2 * 2 * 8  # rounds x requests x 8
+        assert r["tokens_per_s"] > 0 and r["itl_p95_ms"] > 0
+    off = [r for r in s["results"] if r["arm"] == "off"]
+    on = [r for r in s["results"] if r["arm"] == "on"]
+    assert all(r["mean_accepted_length"] == 0 for r in off) and all(r["mean_accepted_length"] >= 1 for r in on)
+    assert [g["goal"] for g in s["goals"]] == ["c=1: auto / best of off and on", "c=2: auto / best of off and on"]
+    assert (tmp_path / "speculative_rewrite_ngram.png").stat().st_size > 1000
