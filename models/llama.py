@@ -266,22 +266,27 @@ def forward_paged(
             sliding_window=config.sliding_window, backend=attention_backend, interpret=interpret)
         return attn, k_cache, v_cache
 
-    def layer_step(x, k_cache, v_cache, layer, index):
-        q, k, v = _qkv(layer, rms_norm(x, layer["attn_norm"], eps), batch.positions, inv_freq, config, kv_dtype)
+    def decoder_layer(x, k_cache, v_cache, norms, qkv, out, mlp, index):
+        """One layer, whatever holds its weights: qkv(h) -> q, k, v; out(attn); mlp(h)."""
+        q, k, v = qkv(rms_norm(x, norms["attn_norm"], eps))
         attn, k_cache, v_cache = attention(q, k, v, k_cache, v_cache, index)
-        x = x + reduce(_attn_out(layer, attn))
-        return x + reduce(_mlp(layer, rms_norm(x, layer["mlp_norm"], eps))), k_cache, v_cache
+        x = x + reduce(out(attn))
+        return x + reduce(mlp(rms_norm(x, norms["mlp_norm"], eps))), k_cache, v_cache
+
+    def layer_step(x, k_cache, v_cache, layer, index):  # the layer's weights as a dict
+        return decoder_layer(x, k_cache, v_cache, layer,
+                             lambda h: _qkv(layer, h, batch.positions, inv_freq, config, kv_dtype),
+                             functools.partial(_attn_out, layer), functools.partial(_mlp, layer), index)
 
     def switch_step(x, k_cache, v_cache, small, product, index):
-        """One served-layout layer whose products are `product(name, x)` (a lax.switch) and
-        whose norms and bias are the layer's rows of `small`."""
-        h = rms_norm(x, small["attn_norm"], eps)
-        q, k, v = _split_qkv(product("qkv_proj", h), small.get("bqkv"), batch.positions, inv_freq, config,
-                             kv_dtype)
-        attn, k_cache, v_cache = attention(q, k, v, k_cache, v_cache, index)
-        x = x + reduce(product("o_proj", attn.reshape(attn.shape[0], -1)))
-        h = rms_norm(x, small["mlp_norm"], eps)
-        return x + reduce(product("down_proj", _swiglu(product("gate_up_proj", h)))), k_cache, v_cache
+        """A served-layout layer whose products are `product(name, x)` (a lax.switch) and whose
+        norms and bias are the layer's rows of `small`."""
+        return decoder_layer(
+            x, k_cache, v_cache, small,
+            lambda h: _split_qkv(product("qkv_proj", h), small.get("bqkv"), batch.positions, inv_freq, config,
+                                 kv_dtype),
+            lambda attn: product("o_proj", attn.reshape(attn.shape[0], -1)),
+            lambda h: product("down_proj", _swiglu(product("gate_up_proj", h))), index)
 
     if tp_axis is None:
         x = embed_tokens(params["embed"], batch.input_ids)
