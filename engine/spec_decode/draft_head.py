@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.llama import apply_rope, embed_tokens, rms_norm
+from models.llama import apply_rope, embed_tokens, rms_norm, rope_inv_freq
 
 MARKER = "draft_head.json"
 
@@ -65,6 +65,9 @@ class DraftHeadConfig:
     rope_theta: float = 10000.0
     target: str = ""  # the target model spec it was trained on (informational)
     num_speculative_tokens: int = 3  # the chain length it was trained for
+
+    # RoPE over chain positions 0..k-1 only: never scaled (what models.llama.rope_inv_freq reads).
+    rope_scaling = None
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
@@ -139,8 +142,7 @@ def shared_from_target(target_params: dict, vocab_map) -> dict:
 
 
 def _inv_freq(cfg: DraftHeadConfig) -> jax.Array:
-    d = cfg.head_dim
-    return jnp.asarray(1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d)), jnp.float32)
+    return jnp.asarray(rope_inv_freq(cfg), jnp.float32)
 
 
 def draft_chain(params: dict, shared: dict, cfg: DraftHeadConfig, feature: jax.Array,
