@@ -21,6 +21,7 @@ The runner never calls the scheduler or the engine back: everything it needs is 
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import functools
 import logging
@@ -165,9 +166,13 @@ class ModelRunner:
         self.compile_all(progress=progress, buckets=[buckets[0], buckets[-1]])
         rest = [b for b in buckets if b not in self._compiled]
 
+        stop = threading.Event()
+
         def work():
             start = time.perf_counter()
             for bucket in rest:
+                if stop.is_set():  # the process is exiting (_finish_compiling)
+                    return
                 try:
                     executable = self._lower(bucket).compile()
                 except Exception:  # the bucket stays unused; larger ones keep serving its steps
@@ -180,6 +185,9 @@ class ModelRunner:
 
         self._compile_thread = threading.Thread(target=work, name="compile-buckets", daemon=True)
         self._compile_thread.start()
+        # A daemon thread still inside an XLA compile when the interpreter finalizes aborts the
+        # process ("FATAL: exception not rethrown"): at exit, stop after the current bucket.
+        atexit.register(_finish_compiling, stop, self._compile_thread)
 
     @property
     def all_compiled(self) -> bool:
@@ -316,6 +324,11 @@ class ModelRunner:
                     for j in range(i, i + kept)] if wants[row] else None)
             i += n
         return StepResult(req_ids, tokens, logprobs if any_logprobs else None, rejected, prompt_logprobs)
+
+
+def _finish_compiling(stop: threading.Event, thread: threading.Thread) -> None:
+    stop.set()
+    thread.join(timeout=300)
 
 
 def _hidden_rows(out: SchedulerOutput, row_num_logits, result: StepResult) -> dict[str, int]:
