@@ -10,8 +10,12 @@ finished or aborted; `num_pending` counts the requests still pinned (the transfe
 Across processes the leader (the process with the prefill pool and the HTTP server) keeps a
 `multiprocessing.connection` to the decode process for the calls (pickled arguments, outputs and
 stats) and a `jax.experimental.transfer` server from which the decode process pulls each gathered
-bucket straight onto its own devices' sharding. One-way messages (write, add, abort) are
-processed in order before the next call, so a request's blocks always land before its step.
+bucket straight onto its own devices' sharding. Messages are processed in order, all of those
+waiting before each step, so a request's blocks always land before its first step. The decode
+process steps on its own while it has work (it does not wait for the leader to ask): its
+streams keep their pace even when the leader's core is busy with prefill, and a `step` call
+returns every output made since the last one (the newest per request: outputs are cumulative),
+waiting for the step in flight only when there is none.
 """
 
 from __future__ import annotations
@@ -244,7 +248,31 @@ def serve(listen: str) -> None:
     host, port = _split_address(listen)
     with Listener((host, port), authkey=_authkey()) as listener, listener.accept() as conn:
         pool, peer, pulled = None, None, []
+        made: dict = {}  # request id -> its newest output since the last `step` call
+        wanted = False  # the leader's `step` call waits for outputs
+        failed = None  # a step that raised: the answer to the next `step` call, then no more steps
         while True:
+            busy = pool is not None and failed is None and pool.has_unfinished_requests()
+            if wanted and failed is not None:
+                conn.send(("error", failed))
+                wanted = False
+                continue
+            if wanted and (made or not busy):
+                conn.send(("ok", (list(made.values()), list(pool._pinned) if pool else [],
+                                  (pool.pull_seconds, pool.num_pulled) if pool else (0.0, 0), pulled,
+                                  pool.get_stats() if pool else None)))
+                made, pulled, wanted = {}, [], False
+                continue
+            if busy and not conn.poll(0):  # nothing to process first: the next step
+                try:
+                    outputs = pool.step()
+                except Exception as exc:  # the engine's own failure (a request's is an output)
+                    failed = (type(exc).__name__, f"{type(exc).__name__}: {exc}")
+                    continue
+                for out in outputs:
+                    made.pop(out.request_id, None)  # keep the order of the newest outputs
+                    made[out.request_id] = out
+                continue
             try:
                 op, *args = conn.recv()
             except EOFError:  # the leader is gone: so is this pool
@@ -252,6 +280,9 @@ def serve(listen: str) -> None:
             try:
                 if op == "close":
                     return
+                if op == "step":
+                    wanted = True
+                    continue
                 if op == "start":
                     config, buckets, leader_address = args
                     size = config.tensor_parallel_size
@@ -279,11 +310,8 @@ def serve(listen: str) -> None:
                     request_id, call_args, kwargs = args
                     result = pool.add_request(request_id, *call_args, **kwargs)
                 elif op == "abort":
+                    made.pop(args[0], None)
                     result = pool.abort_request(*args)
-                elif op == "step":
-                    result = (pool.step(), list(pool._pinned), (pool.pull_seconds, pool.num_pulled), pulled,
-                              pool.get_stats())
-                    pulled = []
                 elif op == "stats":
                     result = pool.get_stats()
                 elif op == "reconfigure":

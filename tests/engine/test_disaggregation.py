@@ -291,6 +291,7 @@ def test_a_decode_pool_in_another_process_then_its_death_is_named(pd):
     import os
     import subprocess
     import sys
+    import time
 
     from engine.engine_stats import EngineDeadError
     from engine.pd_engine import PDEngine
@@ -308,6 +309,8 @@ def test_a_decode_pool_in_another_process_then_its_death_is_named(pd):
                  SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=8, ignore_eos=True)]
         requests = [(f"x{i}", p, cases[i % 2]) for i, p in enumerate(PROMPTS[:6])]
         want = run_to_completion(pd.prefill, requests)
+        want_runs = run_to_completion(pd.prefill, [("runs", PROMPTS[6], SamplingParams(
+            temperature=0.0, max_tokens=24, ignore_eos=True))])["runs"]
         got = run_to_completion(remote, requests)
         for rid, out in want.items():
             _same(out, got[rid], logprobs=rid in ("x0", "x2", "x4"))
@@ -317,6 +320,20 @@ def test_a_decode_pool_in_another_process_then_its_death_is_named(pd):
         assert stats.kv_transfer.num_transfers == 6 and stats.kv_transfer.num_landed == 4
         assert stats.kv_transfer.seconds > 0
         assert stats.replicas[1].prefix_cache_hits >= 6 * 4 * 16 and remote.decode.num_pending == 0
+        # The decode process steps on its own: once a request decodes there, it runs on while
+        # this process does not ask, and the next calls return what it made meanwhile (a
+        # process stepped only by the leader's calls would need one call per token).
+        remote.add_request("runs", PROMPTS[6], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+        tokens = 0
+        while tokens < 2:
+            tokens = max([len(o.outputs[0].token_ids) for o in remote.step() if o.request_id == "runs"] + [tokens])
+        time.sleep(3.0)
+        for calls in range(1, 4):
+            done = [o for o in remote.step() if o.request_id == "runs" and o.finished]
+            if done:
+                break
+        assert done and len(done[0].outputs[0].token_ids) == 24, calls
+        assert done[0].outputs[0].token_ids == want_runs.outputs[0].token_ids
         remote.add_request("dies", PROMPTS[7], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
         while remote.pool_of("dies") == "prefill":
             remote.step()
