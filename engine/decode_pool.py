@@ -1,25 +1,31 @@
 """The decode pool of prefill/decode disaggregation (engine/pd_engine.py): in this process
 (`DecodePool`) or in another one (`RemoteDecodePool`, served by `python -m engine.decode_pool`).
 
-Both offer PDEngine the same calls: `accept(request_id, hashes)` registers and pins blocks for a
-request's moved prompt blocks (KVCacheManager.import_blocks) and says which ones to write,
-`write(dest_ids, k, v)` lands a gathered bucket of blocks, `add_request(..., resume=...)` queues
-the request, `step()` runs the decode engine and drops the pins of requests it has admitted,
-finished or aborted; `num_pending` counts the requests still pinned (the transfer queue).
+Both offer PDEngine the same calls: `hand_over(request_id, hashes, k, v, *add_args)` registers and
+pins the request's moved prompt blocks (KVCacheManager.import_blocks), writes those the pool did
+not hold from the gathered bucket and queues the request (`add_request(..., resume=...)`);
+`step()` runs the decode engine and drops the pins of requests it has admitted, finished or
+aborted; `num_pending` counts the requests moved and not yet admitted (the transfer queue).
 
 Across processes the leader (the process with the prefill pool and the HTTP server) keeps a
 `multiprocessing.connection` to the decode process for the calls (pickled arguments, outputs and
 stats) and a `jax.experimental.transfer` server from which the decode process pulls each gathered
 bucket straight onto its own devices' sharding. Messages are processed in order, all of those
-waiting before each step, so a request's blocks always land before its first step. The decode
-process steps on its own while it has work (it does not wait for the leader to ask): its
-streams keep their pace even when the leader's core is busy with prefill, and a `step` call
-returns every output made since the last one (the newest per request: outputs are cumulative),
-waiting for the step in flight only when there is none.
+waiting before each step. The decode process steps on its own while it has work (it does not
+wait for the leader to ask): its streams keep their pace even when the leader's core is busy
+with prefill, and a `step` call returns every output made since the last one (the newest per
+request: outputs are cumulative), waiting for the step in flight only when there is none.
+Nothing the leader sends besides `step` waits for an answer, so the leader never waits for a
+decode step it is not collecting: a handover is an `offer` (hashes and the request), which the
+decode process accepts between its steps; it adds the request at once when it needs no block
+(or is full: it recomputes), else the next `step` answer asks for the bucket, the leader offers
+it to the transfer server and sends `write`, and the decode process pulls, scatters and adds.
+A handover that fails there comes back as the request's failed output.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import threading
@@ -63,6 +69,22 @@ class DecodePool:
 
     def write(self, dest_ids, k, v) -> None:
         self.scatter.write(dest_ids, k, v)
+
+    def dest_ids(self, num_hashes: int, to_write) -> list[int]:
+        """Where each gathered block goes; blocks held already get an out-of-range id (dropped)."""
+        dest = [self.num_blocks] * num_hashes
+        for position, block in to_write:
+            dest[position] = block
+        return dest
+
+    def hand_over(self, request_id: str, hashes: list[int], k, v, *add_args, **add_kwargs) -> bool:
+        """Pins and writes the moved blocks, then queues the request; False when the pool had no
+        room for them (it recomputes the prompt)."""
+        to_write = self.accept(request_id, hashes)
+        if to_write:
+            self.write(self.dest_ids(len(hashes), to_write), k, v)
+        self.add_request(request_id, *add_args, **add_kwargs)
+        return to_write is not None
 
     def add_request(self, request_id: str, prompt_ids, params, arrival, **kwargs) -> None:
         try:
@@ -109,6 +131,12 @@ class DecodePool:
             self.engine.scheduler.kv_cache_manager.release(pinned)
 
 
+def failed_output(out, exc: Exception, what: str = "KV handover failed"):
+    """`out` (a RequestOutput) ended: every sequence aborted with the error."""
+    failed = [dataclasses.replace(c, finish_reason="abort", error=f"{what}: {exc}") for c in out.outputs]
+    return dataclasses.replace(out, outputs=failed, finished=True)
+
+
 def _authkey() -> bytes:
     return os.environ.get(AUTHKEY_ENV, "jaxserve-decode-pool").encode()
 
@@ -148,8 +176,9 @@ class RemoteDecodePool:
         self._inflight: dict[int, object] = {}  # gathered arrays until the decode process pulled them
         self.dead_reason: str | None = None
         self._unfinished: set[str] = set()
-        self.num_pending, self._pinned = 0, set()
-        self.pull_seconds, self.num_pulled = 0.0, 0
+        self._pinned: set[str] = set()  # moved and not admitted, as of the last step
+        self._offers: dict[str, tuple] = {}  # offered buckets the decode process has not answered for
+        self.pull_seconds, self.num_pulled, self.num_fallbacks = 0.0, 0, 0
         self._stats = None
         self.num_blocks = self._call("start", pool_config, buckets, self._server.address())
 
@@ -178,40 +207,45 @@ class RemoteDecodePool:
         self.dead_reason = f"the decode pool process at {self.address} is gone: {type(exc).__name__}: {exc}"
         raise EngineDeadError(self.dead_reason) from exc
 
+    @property
+    def num_pending(self) -> int:
+        return len(self._pinned | self._offers.keys())
+
     def is_pinned(self, request_id: str) -> bool:
-        return request_id in self._pinned
+        return request_id in self._pinned or request_id in self._offers
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._unfinished)
 
-    def accept(self, request_id: str, hashes: list[int]):
-        to_write = self._call("accept", request_id, hashes)
-        if to_write is not None:
-            self._pinned.add(request_id)
-        return to_write
-
-    def write(self, dest_ids, k, v) -> None:
-        uuid = next(self._uuids)
-        self._inflight[uuid] = (k, v)
-        self._server.await_pull(uuid, [k, v])
-        self._send("write", uuid, list(map(int, dest_ids)), k.shape[1])
-
-    def add_request(self, request_id: str, *args, **kwargs) -> None:
-        kwargs.pop("grammar", None)  # compiled there again from the params (an LRU hit after the first)
-        self._call("add", request_id, args, kwargs)
+    def hand_over(self, request_id: str, hashes: list[int], k, v, *add_args, **add_kwargs) -> None:
+        """Sends the offer and returns: whether the decode process needs the bucket (and so
+        whether it was full) comes back with a later step."""
+        add_kwargs.pop("grammar", None)  # compiled there again from the params (an LRU hit after the first)
+        if k is not None:
+            self._offers[request_id] = (k, v)
         self._unfinished.add(request_id)
+        self._send("offer", request_id, hashes, add_args, add_kwargs)
 
     def abort_request(self, request_id: str) -> bool:
         self._unfinished.discard(request_id)
         self._pinned.discard(request_id)
-        return self._call("abort", request_id)
+        self._offers.pop(request_id, None)
+        self._send("abort", request_id)
+        return True
 
     def step(self) -> list:
-        outputs, pinned, (self.pull_seconds, self.num_pulled), pulled, self._stats = self._call("step")
+        (outputs, pinned, (self.pull_seconds, self.num_pulled), pulled, self._stats, accepted,
+         self.num_fallbacks) = self._call("step")
         for uuid in pulled:
             self._inflight.pop(uuid, None)
+        for request_id, wanted in accepted:
+            kv = self._offers.pop(request_id, None)
+            if wanted and kv is not None:  # (None: aborted since; the abort went after the offer)
+                uuid = next(self._uuids)
+                self._inflight[uuid] = kv
+                self._server.await_pull(uuid, list(kv))
+                self._send("write", uuid, request_id, kv[0].shape[1])
         self._pinned = set(pinned)
-        self.num_pending = len(pinned)
         for out in outputs:
             if out.finished:
                 self._unfinished.discard(out.request_id)
@@ -249,19 +283,28 @@ def serve(listen: str) -> None:
     with Listener((host, port), authkey=_authkey()) as listener, listener.accept() as conn:
         pool, peer, pulled = None, None, []
         made: dict = {}  # request id -> its newest output since the last `step` call
+        accepted: list[tuple[str, bool]] = []  # offers answered since: (request id, bucket wanted)
+        held: dict[str, tuple] = {}  # accepted, waiting for their bucket: (dest ids, add args, kwargs)
+        num_fallbacks = 0
         wanted = False  # the leader's `step` call waits for outputs
         failed = None  # a step that raised: the answer to the next `step` call, then no more steps
+
+        def add(request_id: str, add_args, add_kwargs) -> None:
+            try:
+                pool.add_request(request_id, *add_args, **add_kwargs)
+            except Exception as exc:  # this request fails; the pool serves on
+                made[request_id] = failed_output(_resumed(request_id, add_args, add_kwargs), exc)
+
         while True:
             busy = pool is not None and failed is None and pool.has_unfinished_requests()
             if wanted and failed is not None:
                 conn.send(("error", failed))
                 wanted = False
                 continue
-            if wanted and (made or not busy):
-                conn.send(("ok", (list(made.values()), list(pool._pinned) if pool else [],
-                                  (pool.pull_seconds, pool.num_pulled) if pool else (0.0, 0), pulled,
-                                  pool.get_stats() if pool else None)))
-                made, pulled, wanted = {}, [], False
+            if wanted and (made or accepted or not busy):
+                conn.send(("ok", (list(made.values()), list(pool._pinned), (pool.pull_seconds, pool.num_pulled),
+                                  pulled, pool.get_stats(), accepted, num_fallbacks)))
+                made, pulled, accepted, wanted = {}, [], [], False
                 continue
             if busy and not conn.poll(0):  # nothing to process first: the next step
                 try:
@@ -277,53 +320,73 @@ def serve(listen: str) -> None:
                 op, *args = conn.recv()
             except EOFError:  # the leader is gone: so is this pool
                 return
-            try:
-                if op == "close":
-                    return
-                if op == "step":
-                    wanted = True
+            if op == "close":
+                return
+            if op == "step":
+                wanted = True
+            elif op == "offer":  # one-way: answered in `accepted` with the next step
+                request_id, hashes, add_args, add_kwargs = args
+                try:
+                    to_write = pool.accept(request_id, hashes)
+                except Exception as exc:
+                    made[request_id] = failed_output(_resumed(request_id, add_args, add_kwargs), exc)
+                    accepted.append((request_id, False))
                     continue
-                if op == "start":
-                    config, buckets, leader_address = args
-                    size = config.tensor_parallel_size
-                    mesh = replica_meshes(size, 1, jax.devices()[:size])[0]
-                    engine = LLMEngine(config, progress=False, mesh=mesh)
-                    pool = DecodePool(engine, KVScatter(engine.runner, buckets))
-                    server = transfer.start_transfer_server(jax.devices()[0].client, f"{host}:0", [f"{host}:0"])
-                    peer = server.connect(leader_address)
-                    result = pool.num_blocks
-                elif op == "write":  # pull the bucket onto this pool's sharding, then scatter it
-                    uuid, dest_ids, bucket = args
-                    start = time.perf_counter()
-                    shape = jax.ShapeDtypeStruct(pool.scatter.shape(bucket), pool.scatter.dtype,
-                                                 sharding=pool.scatter.sharding)
-                    k, v = peer.pull(uuid, [shape, shape])
-                    jax.block_until_ready((k, v))
-                    pool.pull_seconds += time.perf_counter() - start
-                    pool.num_pulled += 1
-                    pool.write(dest_ids, k, v)
-                    pulled.append(uuid)
-                    continue  # one-way
-                elif op == "accept":
-                    result = pool.accept(*args)
-                elif op == "add":
-                    request_id, call_args, kwargs = args
-                    result = pool.add_request(request_id, *call_args, **kwargs)
-                elif op == "abort":
-                    made.pop(args[0], None)
-                    result = pool.abort_request(*args)
-                elif op == "stats":
-                    result = pool.get_stats()
-                elif op == "reconfigure":
-                    pool.reconfigure_scheduler(**args[0])
-                    result = None
+                num_fallbacks += to_write is None  # full: it recomputes the prompt
+                accepted.append((request_id, bool(to_write)))
+                if to_write:
+                    held[request_id] = (pool.dest_ids(len(hashes), to_write), add_args, add_kwargs)
                 else:
-                    raise ValueError(f"decode pool: unknown call {op!r}")
-                conn.send(("ok", result))
-            except Exception as exc:  # the call fails; the pool serves on
-                if op == "write":
-                    raise
-                conn.send(("error", (type(exc).__name__, f"{type(exc).__name__}: {exc}")))
+                    add(request_id, add_args, add_kwargs)
+            elif op == "write":  # one-way: pull the bucket onto this pool's sharding, scatter, add
+                uuid, request_id, bucket = args
+                start = time.perf_counter()
+                shape = jax.ShapeDtypeStruct(pool.scatter.shape(bucket), pool.scatter.dtype,
+                                             sharding=pool.scatter.sharding)
+                k, v = peer.pull(uuid, [shape, shape])
+                jax.block_until_ready((k, v))
+                pool.pull_seconds += time.perf_counter() - start
+                pool.num_pulled += 1
+                pulled.append(uuid)
+                if request_id in held:
+                    dest, add_args, add_kwargs = held.pop(request_id)
+                    pool.write(dest, k, v)
+                    add(request_id, add_args, add_kwargs)
+            elif op == "abort":  # one-way
+                made.pop(args[0], None)
+                held.pop(args[0], None)
+                pool.abort_request(args[0])
+            else:
+                try:
+                    if op == "start":
+                        config, buckets, leader_address = args
+                        size = config.tensor_parallel_size
+                        mesh = replica_meshes(size, 1, jax.devices()[:size])[0]
+                        engine = LLMEngine(config, progress=False, mesh=mesh)
+                        pool = DecodePool(engine, KVScatter(engine.runner, buckets))
+                        server = transfer.start_transfer_server(jax.devices()[0].client, f"{host}:0", [f"{host}:0"])
+                        peer = server.connect(leader_address)
+                        result = pool.num_blocks
+                    elif op == "stats":
+                        result = pool.get_stats()
+                    elif op == "reconfigure":
+                        pool.reconfigure_scheduler(**args[0])
+                        result = None
+                    else:
+                        raise ValueError(f"decode pool: unknown call {op!r}")
+                    conn.send(("ok", result))
+                except Exception as exc:  # the call fails; the pool serves on
+                    conn.send(("error", (type(exc).__name__, f"{type(exc).__name__}: {exc}")))
+
+
+def _resumed(request_id: str, add_args, add_kwargs):
+    """The output a handed-over request had when it left the prefill pool."""
+    from engine.outputs import RequestMetrics, RequestOutput
+
+    prompt_ids, _, arrival = add_args
+    resume = add_kwargs["resume"]
+    return RequestOutput(request_id, add_kwargs.get("prompt_text"), list(prompt_ids), list(resume.first),
+                         metrics=RequestMetrics(arrival, first_token_time=resume.first_token_time))
 
 
 def main(argv) -> None:

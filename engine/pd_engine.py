@@ -19,7 +19,9 @@ into host memory; each pool places its own shards. A request's life:
    with its first token, logprobs, stop-string and grammar state, and the same seed). Its
    scheduler admits it as a prefix hit on every full prompt block and computes the partial last
    block (fewer than block_size tokens) with the first token. The pins go once it is admitted;
-   the prefill pool's blocks stay there as its prefix cache.
+   the prefill pool's blocks stay there as its prefix cache. A decode pool in another process
+   does the same on its own between its steps (engine/decode_pool.py): the handover is a
+   message, and this process never waits for that pool's step to take it.
 
 `step()` keeps one step of each pool in flight on its own thread and returns the outputs of the
 first to finish, so decode streams keep their pace while a prefill step runs. Backpressure: at
@@ -42,7 +44,7 @@ import time
 import jax
 
 from engine.config import EngineConfig
-from engine.decode_pool import DecodePool
+from engine.decode_pool import DecodePool, failed_output
 from engine.engine_stats import EngineDeadError, EngineStats
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
@@ -122,7 +124,6 @@ class PDEngine:
         self._running: dict[str, concurrent.futures.Future | None] = dict.fromkeys(POOLS)
         self._locks = {name: threading.Lock() for name in POOLS}
         self._deferred: dict[str, list] = {name: [] for name in POOLS}  # adds and aborts for a busy pool
-        self.decode_num_blocks = self.decode.num_blocks  # an out-of-range id: the scatter drops it
 
     # -- what LLMEngine offers -----------------------------------------------------------------
 
@@ -205,7 +206,7 @@ class PDEngine:
                         pool.submit(state)
                     except Exception as exc:  # this request fails; the pools serve on
                         if self._prefilling.pop(request_id, None) is not None:
-                            failed.append(self._failed(state.output(), exc, "the prefill pool refused it"))
+                            failed.append(failed_output(state.output(), exc, "the prefill pool refused it"))
         return failed
 
     def has_unfinished_requests(self) -> bool:
@@ -282,7 +283,7 @@ class PDEngine:
         try:
             self._ready[out.request_id] = (pending, out, firsts, *self._gather(pending.prompt_ids))
         except Exception as exc:  # this request fails; the pools serve on
-            return self._failed(out, exc)
+            return failed_output(out, exc)
         return shown
 
     def _gather(self, ids: list[int]):
@@ -319,28 +320,17 @@ class PDEngine:
                 if request_id in self._decoding:
                     self._decoding.discard(request_id)
                     self.decode.abort_request(request_id)
-                failed.append(self._failed(out, exc))
+                failed.append(failed_output(out, exc))
         return failed
 
     def _land(self, request_id: str, pending: _Pending, out: RequestOutput, firsts, hashes, k, v) -> None:
-        to_write = self.decode.accept(request_id, hashes)
-        if to_write is None:
-            self.clock.fallback()  # the decode pool is full: it recomputes the prompt
-        elif to_write:
-            dest = [self.decode_num_blocks] * len(hashes)  # blocks it holds already: dropped
-            for position, block in to_write:
-                dest[position] = block
-            self.decode.write(dest, k, v)
         first_time = out.metrics.first_token_time or time.monotonic()
         self._decoding.add(request_id)
-        self.decode.add_request(request_id, pending.prompt_ids, pending.params, pending.arrival,
-                                base_seed=pending.base_seed, resume=Resume(firsts, first_time, out.prompt_logprobs),
-                                **pending.kwargs)
-
-    @staticmethod
-    def _failed(out: RequestOutput, exc: Exception, what: str = "KV handover failed") -> RequestOutput:
-        failed = [dataclasses.replace(c, finish_reason="abort", error=f"{what}: {exc}") for c in out.outputs]
-        return dataclasses.replace(out, outputs=failed, finished=True)
+        landed = self.decode.hand_over(request_id, hashes, k, v, pending.prompt_ids, pending.params, pending.arrival,
+                                       base_seed=pending.base_seed,
+                                       resume=Resume(firsts, first_time, out.prompt_logprobs), **pending.kwargs)
+        if landed is False:
+            self.clock.fallback()  # the decode pool is full: it recomputes the prompt
 
     def wait_idle(self) -> None:
         """Waits for the pools' steps in flight (their outputs come with the next step())."""
@@ -384,6 +374,7 @@ class PDEngine:
 
     def _transfer_stats(self):
         stats = self.clock.snapshot()
-        if not isinstance(self.decode, DecodePool):  # timed where they land: in the decode process
+        if not isinstance(self.decode, DecodePool):  # timed and decided where they land: in the decode process
             stats.seconds, stats.num_landed = self.decode.pull_seconds, self.decode.num_pulled
+            stats.num_fallbacks = self.decode.num_fallbacks
         return stats

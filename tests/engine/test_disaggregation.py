@@ -311,7 +311,13 @@ def test_a_decode_pool_in_another_process_then_its_death_is_named(pd):
         want = run_to_completion(pd.prefill, requests)
         want_runs = run_to_completion(pd.prefill, [("runs", PROMPTS[6], SamplingParams(
             temperature=0.0, max_tokens=24, ignore_eos=True))])["runs"]
+        # Handovers and aborts are messages: the only call that waits for the decode process
+        # (so for its step in flight) is `step`, made off the caller's thread.
+        calls, call = [], remote.decode._call
+        remote.decode._call = lambda op, *a: calls.append(op) or call(op, *a)
         got = run_to_completion(remote, requests)
+        remote.decode._call = call
+        assert set(calls) == {"step"}
         for rid, out in want.items():
             _same(out, got[rid], logprobs=rid in ("x0", "x2", "x4"))
         stats = remote.get_stats()
@@ -328,11 +334,11 @@ def test_a_decode_pool_in_another_process_then_its_death_is_named(pd):
         while tokens < 2:
             tokens = max([len(o.outputs[0].token_ids) for o in remote.step() if o.request_id == "runs"] + [tokens])
         time.sleep(3.0)
-        for calls in range(1, 4):
+        for _ in range(3):
             done = [o for o in remote.step() if o.request_id == "runs" and o.finished]
             if done:
                 break
-        assert done and len(done[0].outputs[0].token_ids) == 24, calls
+        assert done and len(done[0].outputs[0].token_ids) == 24
         assert done[0].outputs[0].token_ids == want_runs.outputs[0].token_ids
         remote.add_request("dies", PROMPTS[7], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
         while remote.pool_of("dies") == "prefill":
