@@ -17,10 +17,13 @@ with prefill, and a `step` call returns every output made since the last one (th
 request: outputs are cumulative), waiting for the step in flight only when there is none.
 Nothing the leader sends besides `step` waits for an answer, so the leader never waits for a
 decode step it is not collecting: a handover is an `offer` (hashes and the request), which the
-decode process accepts between its steps; it adds the request at once when it needs no block
-(or is full: it recomputes), else the next `step` answer asks for the bucket, the leader offers
-it to the transfer server and sends `write`, and the decode process pulls, scatters and adds.
-A handover that fails there comes back as the request's failed output.
+decode process accepts between its steps (registering and pinning the blocks) and queues the
+request at once. When it lacks a block, the next `step` answer asks for the bucket, the leader
+offers it to the transfer server and sends `write`, and the decode process pulls and scatters
+it; until every asked bucket has landed it runs no step, since the blocks are in its prefix
+cache already. The leader sends the bucket of every accepted offer, even of a request aborted
+meanwhile (whose pins stay until it lands). A handover that fails there comes back as the
+request's failed output.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import threading
 import time
 
 from engine.engine_stats import EngineDeadError
+from scheduler import block_pool
 
 AUTHKEY_ENV = "JAXSERVE_POOL_AUTHKEY"  # shared secret of the two processes (default: a constant)
 CALL_TIMEOUT_S = 120.0  # a decode process that answers no call for this long is dead
@@ -180,7 +184,7 @@ class RemoteDecodePool:
         self._offers: dict[str, tuple] = {}  # offered buckets the decode process has not answered for
         self.pull_seconds, self.num_pulled, self.num_fallbacks = 0.0, 0, 0
         self._stats = None
-        self.num_blocks = self._call("start", pool_config, buckets, self._server.address())
+        self.num_blocks = self._call("start", pool_config, buckets, self._server.address(), block_pool.ROOT_BLOCK_HASH)
 
     def _send(self, *message) -> None:
         try:
@@ -215,7 +219,7 @@ class RemoteDecodePool:
         return request_id in self._pinned or request_id in self._offers
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._unfinished)
+        return bool(self._unfinished or self._offers)  # an offer's answer is still to come
 
     def hand_over(self, request_id: str, hashes: list[int], k, v, *add_args, **add_kwargs) -> None:
         """Sends the offer and returns: whether the decode process needs the bucket (and so
@@ -227,9 +231,8 @@ class RemoteDecodePool:
         self._send("offer", request_id, hashes, add_args, add_kwargs)
 
     def abort_request(self, request_id: str) -> bool:
+        """Its offer stays: if the decode process took the blocks, their bucket must still land."""
         self._unfinished.discard(request_id)
-        self._pinned.discard(request_id)
-        self._offers.pop(request_id, None)
         self._send("abort", request_id)
         return True
 
@@ -239,8 +242,8 @@ class RemoteDecodePool:
         for uuid in pulled:
             self._inflight.pop(uuid, None)
         for request_id, wanted in accepted:
-            kv = self._offers.pop(request_id, None)
-            if wanted and kv is not None:  # (None: aborted since; the abort went after the offer)
+            kv = self._offers.pop(request_id, None)  # (None: no block to offer)
+            if wanted:  # also for a request aborted since: its blocks are registered there
                 uuid = next(self._uuids)
                 self._inflight[uuid] = kv
                 self._server.await_pull(uuid, list(kv))
@@ -284,7 +287,11 @@ def serve(listen: str) -> None:
         pool, peer, pulled = None, None, []
         made: dict = {}  # request id -> its newest output since the last `step` call
         accepted: list[tuple[str, bool]] = []  # offers answered since: (request id, bucket wanted)
-        held: dict[str, tuple] = {}  # accepted, waiting for their bucket: (dest ids, add args, kwargs)
+        # Accepted offers whose bucket has not landed: request id -> dest ids. Their blocks are
+        # in the prefix cache already, so no step runs until every one has landed (a step could
+        # read them), and an aborted one keeps its pins until then (nothing reuses the blocks).
+        unwritten: dict[str, list[int]] = {}
+        aborted: set[str] = set()  # of those, aborted
         num_fallbacks = 0
         wanted = False  # the leader's `step` call waits for outputs
         failed = None  # a step that raised: the answer to the next `step` call, then no more steps
@@ -296,7 +303,7 @@ def serve(listen: str) -> None:
                 made[request_id] = failed_output(_resumed(request_id, add_args, add_kwargs), exc)
 
         while True:
-            busy = pool is not None and failed is None and pool.has_unfinished_requests()
+            busy = pool is not None and failed is None and not unwritten and pool.has_unfinished_requests()
             if wanted and failed is not None:
                 conn.send(("error", failed))
                 wanted = False
@@ -335,9 +342,8 @@ def serve(listen: str) -> None:
                 num_fallbacks += to_write is None  # full: it recomputes the prompt
                 accepted.append((request_id, bool(to_write)))
                 if to_write:
-                    held[request_id] = (pool.dest_ids(len(hashes), to_write), add_args, add_kwargs)
-                else:
-                    add(request_id, add_args, add_kwargs)
+                    unwritten[request_id] = pool.dest_ids(len(hashes), to_write)
+                add(request_id, add_args, add_kwargs)  # queued; its first step waits for the bucket
             elif op == "write":  # one-way: pull the bucket onto this pool's sharding, scatter, add
                 uuid, request_id, bucket = args
                 start = time.perf_counter()
@@ -348,18 +354,21 @@ def serve(listen: str) -> None:
                 pool.pull_seconds += time.perf_counter() - start
                 pool.num_pulled += 1
                 pulled.append(uuid)
-                if request_id in held:
-                    dest, add_args, add_kwargs = held.pop(request_id)
-                    pool.write(dest, k, v)
-                    add(request_id, add_args, add_kwargs)
+                pool.write(unwritten.pop(request_id), k, v)
+                if request_id in aborted:  # its blocks hold their data now: the pins can go
+                    aborted.discard(request_id)
+                    pool.abort_request(request_id)
             elif op == "abort":  # one-way
                 made.pop(args[0], None)
-                held.pop(args[0], None)
-                pool.abort_request(args[0])
+                if args[0] in unwritten:  # its pins stay until its bucket lands
+                    pool.engine.abort_request(args[0])
+                    aborted.add(args[0])
+                else:
+                    pool.abort_request(args[0])
             else:
                 try:
                     if op == "start":
-                        config, buckets, leader_address = args
+                        config, buckets, leader_address, block_pool.ROOT_BLOCK_HASH = args  # the leader's hashes
                         size = config.tensor_parallel_size
                         mesh = replica_meshes(size, 1, jax.devices()[:size])[0]
                         engine = LLMEngine(config, progress=False, mesh=mesh)

@@ -59,7 +59,9 @@ class KVGather:
         k = runner.kv_cache[0]
         self._ids = _replicated_like(k)
         self.block_bytes = 2 * k.dtype.itemsize * k.size // k.shape[1]
-        self._gather = jax.jit(lambda k, v, ids: (k[:, ids], v[:, ids]))
+        # Out in the cache's own sharding (split on KV heads under TP), as the decode cache is:
+        # a pull from another process asks for exactly that layout, shard by shard.
+        self._gather = jax.jit(lambda k, v, ids: (k[:, ids], v[:, ids]), out_shardings=(k.sharding, k.sharding))
         for n in buckets:
             jax.block_until_ready(self.gather(np.zeros(n, np.int32)))
 

@@ -50,7 +50,8 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.request_state import Resume
 from engine.sampling_params import ParamError, SamplingParams
-from scheduler.block_pool import ROOT_BLOCK_HASH, hash_block_tokens
+from scheduler import block_pool
+from scheduler.block_pool import hash_block_tokens
 
 # Summed over the pools in the aggregate EngineStats (prompt and generated tokens are counted
 # where they are made: prompts in the prefill pool, first tokens there, the rest in decode).
@@ -212,7 +213,7 @@ class PDEngine:
     def has_unfinished_requests(self) -> bool:
         """Also True while a pool's step is in flight: its outputs are still to come."""
         return bool(self._prefilling or self._ready or self._decoding or any(self._deferred.values())) or any(
-            f is not None for f in self._running.values())
+            f is not None for f in self._running.values()) or self.decode.has_unfinished_requests()
 
     # -- the step -----------------------------------------------------------------------------
 
@@ -289,7 +290,7 @@ class PDEngine:
     def _gather(self, ids: list[int]):
         """The prompt's full blocks, gathered from the prefill pool (idle now) and, in one
         process, already on their way to the decode pool's devices: (hashes, k, v)."""
-        bs, hashes, parent = self.block_size, [], ROOT_BLOCK_HASH
+        bs, hashes, parent = self.block_size, [], block_pool.ROOT_BLOCK_HASH
         for i in range(len(ids) // bs):
             parent = hash_block_tokens(parent, ids[i * bs : (i + 1) * bs])
             hashes.append(parent)

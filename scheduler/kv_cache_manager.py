@@ -11,7 +11,8 @@ Invariants:
 
 from __future__ import annotations
 
-from scheduler.block_pool import ROOT_BLOCK_HASH, BlockPool, hash_block_tokens
+from scheduler import block_pool
+from scheduler.block_pool import BlockPool, hash_block_tokens
 from scheduler.config import SchedulerConfig
 from scheduler.request import Request
 
@@ -39,7 +40,7 @@ class KVCacheManager:
         num_full = request.num_tokens // bs
         if len(hashes) >= num_full:
             return
-        parent = hashes[-1] if hashes else ROOT_BLOCK_HASH
+        parent = hashes[-1] if hashes else block_pool.ROOT_BLOCK_HASH  # read at each use: see block_pool
         for i in range(len(hashes), num_full):
             parent = hash_block_tokens(parent, request.token_slice(i * bs, (i + 1) * bs))
             hashes.append(parent)
