@@ -344,7 +344,7 @@ def serve(listen: str) -> None:
                 if to_write:
                     unwritten[request_id] = pool.dest_ids(len(hashes), to_write)
                 add(request_id, add_args, add_kwargs)  # queued; its first step waits for the bucket
-            elif op == "write":  # one-way: pull the bucket onto this pool's sharding, scatter, add
+            elif op == "write":  # one-way: pull the bucket onto this pool's sharding and scatter it
                 uuid, request_id, bucket = args
                 start = time.perf_counter()
                 shape = jax.ShapeDtypeStruct(pool.scatter.shape(bucket), pool.scatter.dtype,
