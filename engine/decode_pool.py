@@ -19,15 +19,17 @@ Nothing the leader sends besides `step` waits for an answer, so the leader never
 decode step it is not collecting: a handover is an `offer` (hashes and the request), which the
 decode process accepts between its steps (registering and pinning the blocks) and queues the
 request at once. When it lacks a block, the next `step` answer asks for the bucket, the leader
-offers it to the transfer server and sends `write`, and the decode process pulls and scatters
-it; until every asked bucket has landed it runs no step, since the blocks are in its prefix
-cache already. The leader sends the bucket of every accepted offer, even of a request aborted
-meanwhile (whose pins stay until it lands). A handover that fails there comes back as the
-request's failed output.
+offers it to the transfer server and sends `write`, and the decode process pulls it on a thread while
+its running requests keep stepping, then scatters it between two steps. Until every asked bucket
+has landed its scheduler admits nothing, since the blocks are in its prefix cache already (an
+admission could read them; running requests never do). The leader sends the bucket of every
+accepted offer, even of a request aborted meanwhile (whose pins stay until it lands). A handover
+that fails there comes back as the request's failed output.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
 import os
@@ -288,13 +290,40 @@ def serve(listen: str) -> None:
         made: dict = {}  # request id -> its newest output since the last `step` call
         accepted: list[tuple[str, bool]] = []  # offers answered since: (request id, bucket wanted)
         # Accepted offers whose bucket has not landed: request id -> dest ids. Their blocks are
-        # in the prefix cache already, so no step runs until every one has landed (a step could
-        # read them), and an aborted one keeps its pins until then (nothing reuses the blocks).
+        # in the prefix cache already, so the scheduler admits nothing until every one has
+        # landed (an admission could read them; running requests never hold them, so their
+        # steps go on while the buckets are pulled), and an aborted one keeps its pins until
+        # then (nothing reuses the blocks).
         unwritten: dict[str, list[int]] = {}
         aborted: set[str] = set()  # of those, aborted
+        pulls: dict[str, tuple] = {}  # of those, being pulled on a thread: (uuid, future)
+        puller = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-pull")
         num_fallbacks = 0
         wanted = False  # the leader's `step` call waits for outputs
         failed = None  # a step that raised: the answer to the next `step` call, then no more steps
+
+        def pull(uuid: int, bucket: int):  # on the puller thread, while steps run
+            start = time.perf_counter()
+            shape = jax.ShapeDtypeStruct(pool.scatter.shape(bucket), pool.scatter.dtype,
+                                         sharding=pool.scatter.sharding)
+            k, v = peer.pull(uuid, [shape, shape])
+            jax.block_until_ready((k, v))
+            return k, v, time.perf_counter() - start
+
+        def land_pulls() -> None:
+            for request_id, (uuid, future) in list(pulls.items()):
+                if not future.done():
+                    continue
+                del pulls[request_id]
+                k, v, seconds = future.result()  # a failed pull ends this process, as a failed step would not
+                pool.pull_seconds += seconds
+                pool.num_pulled += 1
+                pulled.append(uuid)
+                pool.write(unwritten.pop(request_id), k, v)  # between steps: the cache is donated
+                if request_id in aborted:  # its blocks hold their data now: the pins can go
+                    aborted.discard(request_id)
+                    pool.abort_request(request_id)
+            pool.engine.scheduler.admissions_held = bool(unwritten)
 
         def add(request_id: str, add_args, add_kwargs) -> None:
             try:
@@ -303,12 +332,16 @@ def serve(listen: str) -> None:
                 made[request_id] = failed_output(_resumed(request_id, add_args, add_kwargs), exc)
 
         while True:
-            busy = pool is not None and failed is None and not unwritten and pool.has_unfinished_requests()
+            if pulls:
+                land_pulls()
+            # Work to step: running requests, or waiting ones it may admit.
+            busy = pool is not None and failed is None and pool.has_unfinished_requests() and (
+                not unwritten or bool(pool.engine.scheduler.running))
             if wanted and failed is not None:
                 conn.send(("error", failed))
                 wanted = False
                 continue
-            if wanted and (made or accepted or not busy):
+            if wanted and (made or accepted or not (busy or unwritten)):
                 conn.send(("ok", (list(made.values()), list(pool._pinned), (pool.pull_seconds, pool.num_pulled),
                                   pulled, pool.get_stats(), accepted, num_fallbacks)))
                 made, pulled, accepted, wanted = {}, [], [], False
@@ -322,6 +355,8 @@ def serve(listen: str) -> None:
                 for out in outputs:
                     made.pop(out.request_id, None)  # keep the order of the newest outputs
                     made[out.request_id] = out
+                continue
+            if pulls and not conn.poll(0.002):  # nothing to step: wait for a pull or a message
                 continue
             try:
                 op, *args = conn.recv()
@@ -343,21 +378,11 @@ def serve(listen: str) -> None:
                 accepted.append((request_id, bool(to_write)))
                 if to_write:
                     unwritten[request_id] = pool.dest_ids(len(hashes), to_write)
-                add(request_id, add_args, add_kwargs)  # queued; its first step waits for the bucket
-            elif op == "write":  # one-way: pull the bucket onto this pool's sharding and scatter it
+                    pool.engine.scheduler.admissions_held = True
+                add(request_id, add_args, add_kwargs)  # queued; admitted once its bucket has landed
+            elif op == "write":  # one-way: pull the bucket onto this pool's sharding (on a thread)
                 uuid, request_id, bucket = args
-                start = time.perf_counter()
-                shape = jax.ShapeDtypeStruct(pool.scatter.shape(bucket), pool.scatter.dtype,
-                                             sharding=pool.scatter.sharding)
-                k, v = peer.pull(uuid, [shape, shape])
-                jax.block_until_ready((k, v))
-                pool.pull_seconds += time.perf_counter() - start
-                pool.num_pulled += 1
-                pulled.append(uuid)
-                pool.write(unwritten.pop(request_id), k, v)
-                if request_id in aborted:  # its blocks hold their data now: the pins can go
-                    aborted.discard(request_id)
-                    pool.abort_request(request_id)
+                pulls[request_id] = (uuid, puller.submit(pull, uuid, bucket))
             elif op == "abort":  # one-way
                 made.pop(args[0], None)
                 if args[0] in unwritten:  # its pins stay until its bucket lands

@@ -69,6 +69,7 @@ class Scheduler(SchedulerObservability):
         self.requests: dict[str, Request] = {}  # live: waiting or running
         self.group_seats = GroupSeats(config.max_seqs_per_group)  # fairness (fairness.py)
         self.num_preemptions = 0
+        self.admissions_held = False  # True: schedule() admits nothing (running requests go on)
         self._num_steps = 0
         self._finished_req_ids: list[str] = []
         self._aborted_req_ids: list[str] = []
@@ -189,8 +190,9 @@ class Scheduler(SchedulerObservability):
             if num_new:
                 self._schedule_running(request, num_new, plan)
 
-        # Step 4: admissions (none after a preemption: the pool is short already).
-        if config.policy != "static" and not plan.preempted:
+        # Step 4: admissions (none after a preemption: the pool is short already; none while an
+        # owner holds them, e.g. a decode pool whose imported blocks have not landed yet).
+        if config.policy != "static" and not plan.preempted and not self.admissions_held:
             self._admit_waiting(plan)
 
         self._num_steps += 1

@@ -260,6 +260,22 @@ def test_max_num_seqs_caps_the_batch(fake_step):
     assert [r.req_id for r in out.scheduled] == ["r0", "r1"] and s.stats.num_waiting == 1
 
 
+def test_held_admissions_let_running_requests_go_on(fake_step):
+    """A decode pool whose imported blocks have not landed holds admissions (engine/decode_pool.py):
+    running requests keep decoding, a waiting one starts once the hold is lifted."""
+    s = make_scheduler()
+    s.add_request(req("running", 8))
+    fake_step(s)
+    s.admissions_held = True
+    s.add_request(req("held", 8, offset=100))
+    for _ in range(2):
+        out, _ = fake_step(s)
+        assert [(r.req_id, r.num_scheduled_tokens) for r in out.scheduled] == [("running", 1)]
+    s.admissions_held = False
+    out, _ = fake_step(s)
+    assert [(r.req_id, r.num_scheduled_tokens) for r in out.scheduled] == [("running", 1), ("held", 8)]
+
+
 def test_add_request_rejects_bad_requests():
     s = make_scheduler(max_model_len=32)
     with pytest.raises(ValueError, match="prompt is empty"):
