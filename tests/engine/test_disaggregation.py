@@ -293,7 +293,9 @@ def _free_port() -> int:
 def test_a_decode_pool_in_another_process_then_its_death_is_named(pd):
     """Two OS processes: this one runs the prefill pool (2 devices) and the engine, the other the
     decode pool (`python -m engine.decode_pool`, 2 devices of its own); KV blocks move through
-    jax.experimental.transfer. Outputs equal colocated; killing the decode process makes the
+    jax.experimental.transfer. Outputs equal colocated and every moved block is a prefix hit
+    there; only `step` waits for the decode process, which runs on by itself; random aborts in
+    every phase leave no block held in either process; killing the decode process makes the
     next step fail with an error that names it, and the engine is dead, not hung."""
     import os
     import subprocess
