@@ -24,9 +24,27 @@ FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "tests" / "fixtures"
 PAD_TO = 128
 
 
+def load_reference():
+    """The fixture: (its JSON: prompts, token ids, versions; its arrays: logits and margins)."""
+    import numpy as np
+
+    meta = json.loads((FIXTURES / "smollm2_reference.json").read_text())
+    return meta, np.load(FIXTURES / "smollm2_reference.npz")
+
+
+def dense_logits(forward, params, ids: list[int]):
+    """float32 logits [len(ids), vocab] of a jitted dense forward, the ids padded to PAD_TO
+    (causal: padding after the end changes nothing, and a few lengths compile)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    x = np.zeros(-(-len(ids) // PAD_TO) * PAD_TO, np.int32)
+    x[: len(ids)] = ids
+    return np.asarray(forward(params, jnp.asarray(x)).astype(jnp.float32))[: len(ids)]
+
+
 def agreement(near_tie: float) -> dict:
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
     from models.default_model import default_model_path
@@ -34,17 +52,15 @@ def agreement(near_tie: float) -> dict:
     from models.llama import forward_dense
     from models.served_layout import fuse_projections, stack_layers
 
-    meta = json.loads((FIXTURES / "smollm2_reference.json").read_text())
-    margins_all = np.load(FIXTURES / "smollm2_reference.npz")["greedy_margins"]
+    meta, arrays = load_reference()
+    margins_all = arrays["greedy_margins"]
     config, params, _ = load_gguf(default_model_path(), dtype="bfloat16", progress=False)
     params = fuse_projections(stack_layers(params))
     forward = jax.jit(lambda p, ids: forward_dense(p, config, ids))
     rows, same, clear, clear_same = [], 0, 0, 0
     for i, prompt in enumerate(meta["prompts"]):
         ids, greedy = list(prompt["prompt_token_ids"]), list(prompt["greedy_token_ids"])
-        x = np.zeros(-(-len(ids + greedy) // PAD_TO) * PAD_TO, np.int32)
-        x[: len(ids + greedy)] = ids + greedy
-        logits = np.asarray(forward(params, jnp.asarray(x)).astype(jnp.float32))
+        logits = dense_logits(forward, params, ids + greedy)
         predicted = [int(np.argmax(logits[len(ids) - 1 + s])) for s in range(len(greedy))]
         hits = [p == t for p, t in zip(predicted, greedy)]
         margins = margins_all[i][: len(greedy)]

@@ -9,28 +9,20 @@ Fixtures: tests/fixtures/smollm2_reference.{json,npz}, made by scripts/make_refe
   mismatch is only tolerated at a step where the reference's top-2 margin is under 0.01.
 """
 
-import json
-import pathlib
-
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from experiments.bf16_agreement import dense_logits, load_reference
 from models.default_model import default_model_path
 from models.gguf_loader import load_gguf
 from models.llama import forward_dense
 from models.served_layout import stack_layers
 
-FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures"
-PAD_TO = 128
-
 
 @pytest.fixture(scope="module")
 def reference():
-    meta = json.loads((FIXTURES / "smollm2_reference.json").read_text())
-    arrays = np.load(FIXTURES / "smollm2_reference.npz")
-    return meta, arrays
+    return load_reference()
 
 
 @pytest.fixture(scope="module")
@@ -39,13 +31,7 @@ def dense_model():
     params = stack_layers(params)  # a lax.scan over layers: compiles in seconds, same numerics
     forward = jax.jit(lambda p, ids: forward_dense(p, config, ids))
 
-    def run(ids):
-        padded = -(-len(ids) // PAD_TO) * PAD_TO  # causal: padding after the end changes nothing
-        x = np.zeros(padded, np.int32)
-        x[: len(ids)] = ids
-        return np.asarray(forward(params, jnp.asarray(x)))[: len(ids)]
-
-    return run
+    return lambda ids: dense_logits(forward, params, ids)
 
 
 def _log_softmax(x):
