@@ -1,6 +1,6 @@
 """EngineConfig: every knob of the engine, frozen and validated, with vLLM's names.
 
-Derived values (the resolved dtype, the bucket lists in engine/buckets.py, the number of KV
+Derived values (the resolved dtype, the bucket lists in engine/step/buckets.py, the number of KV
 blocks) are computed by functions that return them; nothing is written back into the config.
 Each list of choices has one home: policies and KV allocations in scheduler/config.py, attention
 backends in pallas_kernels/backend.py.
@@ -12,7 +12,7 @@ import dataclasses
 import os
 
 from engine.disaggregation_config import DisaggregationConfig
-from engine.spec_decode.config import SpeculativeConfig
+from engine.speculative_config import SpeculativeConfig
 from scheduler.config import KV_ALLOCATIONS, POLICIES
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -55,7 +55,7 @@ class EngineConfig:
     coordinator_address: str | None = None  # multi-host (jax.distributed): HOST:PORT of process 0's coordinator
     num_processes: int = 1  # multi-host: processes in the mesh (one per host)
     process_id: int = 0  # multi-host: this process (0 schedules and serves; the others follow)
-    speculative_config: SpeculativeConfig | dict | None = None  # speculative decoding, vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 3} (keys: engine/spec_decode/config.py; a JSON object as a flag); None: off
+    speculative_config: SpeculativeConfig | dict | None = None  # speculative decoding, vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 3} (keys: engine/speculative_config.py; a JSON object as a flag); None: off
     disaggregation: DisaggregationConfig | str | dict | None = None  # prefill/decode disaggregation over two device pools, e.g. "prefill:2,decode:2" (keys: engine/disaggregation_config.py); None: colocated
 
     def __post_init__(self) -> None:

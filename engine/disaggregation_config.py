@@ -1,4 +1,4 @@
-"""DisaggregationConfig: prefill/decode disaggregation's knobs (engine/pd_engine.py), validated.
+"""DisaggregationConfig: prefill/decode disaggregation's knobs, validated (engine/disaggregation/).
 
 `EngineConfig(disaggregation=...)` takes an instance, a dict of these fields, or the string form
 `"prefill:2,decode:2"` (optionally `,max_pending_transfers:8,prefill_num_kv_blocks:64,
@@ -22,8 +22,9 @@ class DisaggregationConfig:
     max_pending_transfers: int = 8
     prefill_num_kv_blocks: int | None = None  # the prefill pool's KV cache; None: num_kv_blocks
     decode_num_kv_blocks: int | None = None  # the decode pool's KV cache; None: num_kv_blocks
-    # HOST:PORT of a decode pool in another process (`python -m engine.decode_pool --listen=...`,
-    # on this host or another); None: the decode pool is the next `decode` devices of this process.
+    # HOST:PORT of a decode pool in another process (`python -m engine.disaggregation.decode_pool
+    # --listen=...`, on this host or another); None: the decode pool is the next `decode` devices of
+    # this process.
     decode_address: str | None = None
 
     def __post_init__(self) -> None:

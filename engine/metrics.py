@@ -83,7 +83,7 @@ class _EngineCollector:
             if value is None:
                 continue
             family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
-            if replicas:  # one series per replica (engine/dp_engine.py) or pool (engine/pd_engine.py)
+            if replicas:  # one series per replica (DPEngine) or pool (PDEngine)
                 labelled = family(PREFIX + name, help_text, labels=[label])
                 for replica_name, replica in zip(names, replicas):
                     labelled.add_metric([replica_name], getattr(replica, field))
@@ -114,7 +114,7 @@ def _replica_labels(stats) -> tuple[str, list[str]]:
 
 
 def _transfer_families(transfer, num_pending: int):
-    """Prefill/decode disaggregation (engine/kv_transfer.TransferStats)."""
+    """Prefill/decode disaggregation (engine/disaggregation/kv_transfer.TransferStats)."""
     for field, name, help_text in (
             ("num_transfers", "kv_transfers", "Requests whose KV blocks moved from the prefill to the decode pool."),
             ("num_blocks", "kv_transfer_blocks", "KV blocks moved to the decode pool."),

@@ -1,11 +1,11 @@
 """SamplingParams: what a caller asks of one request's generation (vLLM's names and defaults).
 
-Validated on construction against `BOUNDS`, the one table of what each numeric field may hold:
-the ranges the device arrays take (int32 lengths and ids, float32 knobs) and the limits that keep
-one request from hurting the others. The HTTP layer (entrypoints/openai/protocol.py) checks the
-same table through `check_bound`, so a value is refused in one place with one message. Every
-error is a `ParamError`: a ValueError that carries the field (`param`), so the server's 400 names
-it without reading the message.
+Validated on construction against `BOUNDS`, the one table of what each numeric field may hold: the
+ranges the device arrays take (int32 lengths and ids, float32 knobs) and the limits that keep one
+request from hurting the others. The HTTP layer (entrypoints/openai/protocol.py) checks the same
+table through `check_bound`, so a value is refused in one place with one message. Every error is a
+`ParamError` (engine/errors.py): a ValueError that carries the field (`param`), so the server's 400
+names it without reading the message.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from engine.structured_output.params import StructuredOutputsParams
+from engine.errors import ParamError
+from engine.structured_params import StructuredOutputsParams
 
 INT32_MAX = 2**31 - 1
 
@@ -25,14 +26,6 @@ MAX_N = 16
 MAX_LOGIT_BIAS = 1024  # entries in logit_bias
 MAX_BAD_WORDS = 128
 MAX_ALLOWED_TOKEN_IDS = 1 << 20
-
-
-class ParamError(ValueError):
-    """A request field is out of range or of the wrong type; `param` names the field."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
 
 
 @dataclasses.dataclass(frozen=True)

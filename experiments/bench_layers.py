@@ -45,7 +45,7 @@ def build(dtype: str, loop: str, rows: list[int]):
     import jax
 
     from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from engine.core.llm_engine import LLMEngine
 
     jax.config.update("jax_compilation_cache_dir", None)  # cold compiles, every time
     buckets = tuple(rows)

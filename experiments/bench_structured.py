@@ -55,7 +55,7 @@ def _run_arm(llm, prompts, params) -> dict:
 def main(argv) -> None:
     del argv
     from engine import LLM, SamplingParams
-    from engine.structured_output import StructuredOutputsParams
+    from engine.structured_params import StructuredOutputsParams
 
     n = _NUM_REQUESTS.value
     load_start = os.getloadavg()

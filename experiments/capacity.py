@@ -7,7 +7,7 @@
    "default", a GGUF file, a HF folder or a jaxserve checkpoint: its metadata, no weights loaded).
 2. Memory: weight bytes = parameters x the dtype's size; KV bytes per token from
    `ModelConfig.kv_bytes_per_token` (2 x layers x KV heads x head_dim x size). The KV budget is
-   what the engine would give the cache (engine/kv_cache.py): on an accelerator
+   what the engine would give the cache (engine/step/kv_cache.py): on an accelerator
    `kv_cache_memory_fraction` of the memory JAX may use (`memory_fraction` of HBM: 0.75 on a GPU,
    JAX's default preallocation) less the weights; on the CPU the `kv_cache_bytes` budget.
 3. Requests that fit at once: paged allocation holds ceil((prompt + output) / block_size) blocks
@@ -149,7 +149,7 @@ def requests_that_fit(num_blocks: int, lengths: Sequence[int], block_size: int,
 
 def kv_budget_bytes(device: DeviceSpec, weight_bytes: float, tensor_parallel_size: int,
                     kv_cache_memory_fraction: float, kv_cache_bytes: int) -> float:
-    """What the engine gives the cache (engine/kv_cache.py num_blocks_for), all chips together."""
+    """What the engine gives the cache (engine/step/kv_cache.py num_blocks_for), all chips together."""
     if device.kind == "cpu":
         return float(kv_cache_bytes)
     usable = tensor_parallel_size * device.hbm_bytes * device.memory_fraction

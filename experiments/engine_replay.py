@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from engine.llm_engine import LLMEngine
+from engine.core.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from experiments.datasets import SampleRequest
 from experiments.load_client import arrival_gaps

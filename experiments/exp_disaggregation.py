@@ -9,9 +9,9 @@ tokens each, greedy, ignore_eos) start at t = 0; `--num_long` prompts of `--long
 - colocated, whole prefill: one LLMEngine (both cores), each long prompt in one step;
 - colocated, chunked prefill (`--chunk_budget` tokens per step);
 - disaggregated: a PDEngine whose prefill pool is this process pinned to core 0 and whose decode
-  pool is another process (`python -m engine.decode_pool`) pinned to core 1, so the two pools do
-  not share compute (with `--nopin`: both unpinned, for machines with one core). Its users are
-  also run alone (no long prompts) for the baseline of the goal.
+  pool is another process (`python -m engine.disaggregation.decode_pool`) pinned to core 1, so the
+  two pools do not share compute (with `--nopin`: both unpinned, for machines with one core). Its
+  users are also run alone (no long prompts) for the baseline of the goal.
 Reported per arm: the users' ITL p50 / p95 / max and TPOT, the newcomers' TTFT, the output
 throughput, and for the disaggregated arm the transfers. Goal (the issue's): the users' p95 ITL
 under the prompt stream within 1.3x of theirs with no prompts arriving, disaggregated.
@@ -87,7 +87,7 @@ def _free_port() -> int:
 def main(argv: Sequence[str]) -> None:
     del argv
     from engine.config import EngineConfig
-    from engine.pd_engine import PDEngine
+    from engine.disaggregation.pd_engine import PDEngine
 
     t_start = time.perf_counter()
     all_cores = os.sched_getaffinity(0)
@@ -114,7 +114,7 @@ def main(argv: Sequence[str]) -> None:
 
     address = f"127.0.0.1:{_free_port()}"
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    cmd = [sys.executable, "-m", "engine.decode_pool", f"--listen={address}"]
+    cmd = [sys.executable, "-m", "engine.disaggregation.decode_pool", f"--listen={address}"]
     if pin:
         cmd = ["taskset", "-c", str(core1)] + cmd
         _pin_process({core0})

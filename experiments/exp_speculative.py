@@ -155,9 +155,9 @@ def ensure_head(folder: str, model: str) -> str:
 def main(argv) -> None:
     del argv
     from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from engine.core.llm_engine import LLMEngine
     from engine.spec_decode.base import make_spec_decoder
-    from engine.spec_decode.config import SpeculativeConfig
+    from engine.speculative_config import SpeculativeConfig
 
     concurrencies = [int(c) for c in _CONC.value]
     draft = _DRAFT.value

@@ -31,9 +31,9 @@ def _run(engine, requests) -> dict:
 
 
 def main(argv) -> None:
-    import engine.builder as builder
+    import engine.core.builder as builder
     from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from engine.core.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
 
     prompts = [[(5 * k + 3) % 250 + 2 for k in range(n)] for n in (7, 23, 12)]

@@ -38,7 +38,7 @@ def collectives(hlo: str) -> dict[str, int]:
 
 def main(argv) -> None:
     from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from engine.core.llm_engine import LLMEngine
     from models.loader import load_model
 
     loaded = load_model(FLAGS.model, host=True, progress=False)

@@ -97,9 +97,9 @@ def sharegpt_prompts(tokenizer, n: int, first_record: int) -> list[list[int]]:
 def build_target(model: str, max_num_seqs: int, max_model_len: int):
     """A target engine without speculation whose runner keeps its hidden states, and the loaded
     model (the loaders' layout: a list of layers)."""
-    from engine.builder import build_parts
     from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from engine.core.builder import build_parts
+    from engine.core.llm_engine import LLMEngine
     from models.loader import load_model
 
     blocks = max_num_seqs * -(-max_model_len // 16) + 1

@@ -233,10 +233,10 @@ def forward_paged(
     vocab-parallel (a masked local gather, all-reduced) and the logits are all-gathered.
 
     `kv_cache` is (k_cache, v_cache), each [num_layers, num_blocks, block_size, k, d]
-    (engine/kv_cache.py), in the model dtype or, for a 16-bit model on the xla path, uint16
+    (engine/step/kv_cache.py), in the model dtype or, for a 16-bit model on the xla path, uint16
     holding its bits (pallas_kernels/kv_write.py). `batch` has the StepInputs fields: input_ids [T], positions [T],
     slot_mapping [T], query_start_loc [S+1], seq_lens [S], block_tables [S, max_blocks_per_seq],
-    num_seqs [], logits_indices [L] (see engine/step_inputs.py).
+    num_seqs [], logits_indices [L] (see engine/step/step_inputs.py).
 
     Layers: a stacked `params["layers"]` runs as a lax.scan over the stacked weights with the
     cache in the carry. A list runs as a lax.scan over the layer index with `scan_layers`, whose

@@ -27,7 +27,7 @@ NULL_BLOCK_ID = 0
 
 # Parent hash of the first block of every sequence; random per process (see module docstring).
 # Processes that share blocks by hash must share it: a decode pool in another process
-# (engine/decode_pool.py) takes its leader's before it builds its engine. Read it as
+# (engine/disaggregation/decode_pool.py) takes its leader's before it builds its engine. Read it as
 # `block_pool.ROOT_BLOCK_HASH` at each use, never imported by name.
 ROOT_BLOCK_HASH = random.SystemRandom().getrandbits(62)
 

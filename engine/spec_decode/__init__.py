@@ -20,8 +20,9 @@ One step with speculation, in order:
  5. The controller records drafted / accepted / emitted tokens per position and updates the
     request's acceptance EMA.
 k is one value per engine, so the compiled buckets (T, S, L = S * (1 + k)) never change.
+
+The knobs (`SpeculativeConfig`) are in engine/speculative_config.py, beside EngineConfig, which
+holds one. This wing imports only engine's top-level vocabulary (the config, RowParams), the
+scheduler and the models: the step (engine/step/sampler.py calls verify.py) and the engine loop
+(engine/core/: builder, LLMEngine, EngineStats) import it, never the other way.
 """
-
-from engine.spec_decode.config import SpeculativeConfig
-
-__all__ = ["SpeculativeConfig"]

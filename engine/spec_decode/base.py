@@ -7,15 +7,15 @@ returning up to k draft tokens per request (possibly none) for rows about to dec
 requests' tokens and never changes them. Host proposers (ngram.py) compute drafts there and
 then; a device proposer either fills placeholders after schedule() (draft_model.py: its own
 compiled steps) or drafts on the device from the target's last step (draft_head.py: the target's
-final hidden states, kept on the device by the runner). Verification does not depend on the proposer (engine/spec_decode/verify.py).
+final hidden states, kept on the device by the runner). Verification does not depend on the proposer (verify.py).
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
-from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.controller import SpecDecoder
+from engine.speculative_config import SpeculativeConfig
 from scheduler import Request
 
 
@@ -29,7 +29,7 @@ def make_spec_decoder(config: SpeculativeConfig | None, runner, *, max_num_batch
                       proposer=None) -> SpecDecoder | None:
     """The engine's SpecDecoder, or None when speculation is off. A draft_model proposer holds a
     compiled runner and a draft_head proposer reads the target runner's hidden states, so both are
-    built with the engine's parts (engine/builder.py) and passed in."""
+    built with the engine's parts (engine/core/builder.py) and passed in."""
     if config is None:
         return None
     if proposer is not None:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.switch import AcceptanceTracker, LoadSwitch
+from engine.speculative_config import SpeculativeConfig
 from scheduler import Scheduler, SchedulerOutput, StepResult
 
 logger = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ class SpecDecoder:
             return
         wants = self.tracker.wants_drafts
         # Constrained requests (structured output, multi-token bad_words) get no drafts: their
-        # token mask is filled for one position per step (engine/step_inputs.py refuses drafts).
+        # token mask is filled for one position per step (engine/step/step_inputs.py refuses drafts).
         chosen = [r for r in decoding if wants(r.req_id) and not getattr(r.sampling, "constrained", False)]
         if not chosen:
             return

@@ -251,7 +251,7 @@ class DraftHeadProposer:
                  *, min_confidence: float = 0.0, precompile: bool = True):
         if not getattr(runner, "keep_hidden", False):
             raise ValueError("speculative_config.method='draft_head' needs a target runner built with "
-                             "keep_hidden=True (engine/builder.py builds one)")
+                             "keep_hidden=True (engine/core/builder.py builds one)")
         model = runner.model_config
         if cfg.hidden_size != model.hidden_size or cfg.target_vocab_size != model.vocab_size:
             raise ValueError(f"speculative_config.model: the head was trained for hidden size "

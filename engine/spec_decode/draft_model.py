@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine.request_table import RowParams
+from engine.row_params import RowParams
 from scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
 
 GREEDY = RowParams(0.0, 0, 1.0, 0.0, 0.0, 0.0, 1.0, 0, False)

@@ -7,7 +7,7 @@ the latest with a full continuation of k tokens is taken (else the latest), sinc
 predicts what comes next best. Each request's tokens live in a growing numpy buffer appended to as
 tokens arrive, and one lookup is `prompt_lookup_max` vectorized compares over the sequence, so a
 proposal costs microseconds and never shows in a step profile. A draft is a point mass (q = 1 on
-the drafted token): verification needs no q (engine/spec_decode/verify.py).
+the drafted token): verification needs no q (verify.py).
 """
 
 from __future__ import annotations

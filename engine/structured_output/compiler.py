@@ -22,10 +22,10 @@ import time
 
 import llguidance
 
-from engine.sampling_params import ParamError
+from engine.errors import ParamError
 from engine.structured_output.ll_tokenizer import build_ll_tokenizer
 from engine.structured_output.masks import GrammarState
-from engine.structured_output.params import StructuredOutputsParams
+from engine.structured_params import StructuredOutputsParams
 
 DEFAULT_CACHE_SIZE = 64
 

@@ -56,12 +56,13 @@ import time
 
 from aiohttp import web
 
-from engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineError
+from engine.frontends.async_engine import AsyncLLMEngine, EngineDeadError, EngineError
 from engine.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from engine.metrics import ServerMetrics
+from entrypoints.openai.errors import ProtocolError
 from entrypoints.openai.http_guard import GuardedAppRunner
 from entrypoints.openai.prepare import Job, Preparer, detokenize_body, tokenize_body, vocab_size_of
-from entrypoints.openai.protocol import ProtocolError, RequestLimits
+from entrypoints.openai.protocol import RequestLimits
 from entrypoints.openai.response_writers import ResponseWriter
 from entrypoints.openai.responses import TokenTexts
 from entrypoints.openai.server_config import (

@@ -14,13 +14,13 @@ prepared (prepare.py, through the engine's GrammarCompiler, on a worker thread).
 
 from __future__ import annotations
 
-from engine.sampling_params import ParamError, kind_of
-from engine.structured_output.params import StructuredOutputsParams
+from engine.errors import ParamError
+from engine.sampling_params import kind_of
+from engine.structured_params import StructuredOutputsParams
+from entrypoints.openai.errors import ProtocolError
 
 
-def _error(param: str, message: str):
-    from entrypoints.openai.protocol import ProtocolError  # protocol imports this module
-
+def _error(param: str, message: str) -> ProtocolError:
     return ProtocolError(message, param=param)
 
 

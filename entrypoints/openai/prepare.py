@@ -22,9 +22,10 @@ import inspect
 import json
 import uuid
 
-from engine.sampling_params import ParamError, SamplingParams
+from engine.errors import ParamError
+from engine.sampling_params import SamplingParams
+from entrypoints.openai.errors import ProtocolError
 from entrypoints.openai.protocol import (
-    ProtocolError,
     RequestLimits,
     check_context,
     check_text,

@@ -1,7 +1,8 @@
 """OpenAI request parsing and validation, by hand: JSON body -> a request dataclass with SamplingParams.
 
-Every problem is a ProtocolError carrying the HTTP status, OpenAI's error `type` and `code`, and
-the `param` (the field) at fault, so the server answers `{"error": {message, type, param, code}}`.
+Every problem is a ProtocolError (errors.py) carrying the HTTP status, OpenAI's error `type` and
+`code`, and the `param` (the field) at fault, so the server answers `{"error": {message, type,
+param, code}}`.
 Unknown fields are accepted and ignored (OpenAI clients send extras such as `user`); known fields
 are type- and range-checked against the one table of bounds, `engine.sampling_params.BOUNDS`
 (what the device arrays hold), and a `ParamError` from there becomes a 400 naming its `param`.
@@ -20,44 +21,23 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from engine.errors import ParamError
 from engine.sampling_params import (
     BOUNDS,
     INT32_MAX,
     MAX_N,
-    ParamError,
     SamplingParams,
     check_bound,
     check_stop_strings,
     kind_of,
 )
 from entrypoints.openai.constraints import parse_constraints
+from entrypoints.openai.errors import ProtocolError
 from entrypoints.openai.tools import ToolPlan, forced_grammar, parse_tools
 
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 _MISSING = object()
-
-
-class ProtocolError(Exception):
-    """An error answered in OpenAI's format."""
-
-    def __init__(self, message: str, *, param: str | None = None, status: int = 400,
-                 type: str = "invalid_request_error", code: str | None = None,
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.headers = headers or {}
-        self.message = message
-        self.param = param
-        self.status = status
-        self.type = type
-        self.code = code
-
-    @classmethod
-    def from_param_error(cls, exc: ParamError) -> ProtocolError:
-        return cls(str(exc), param=exc.param)
-
-    def to_dict(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,9 +22,14 @@ import time
 
 from aiohttp import web
 
-from engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineError, RequestStream
+from engine.frontends.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    EngineError,
+    RequestStream,
+)
+from entrypoints.openai.errors import ProtocolError
 from entrypoints.openai.prepare import Job
-from entrypoints.openai.protocol import ProtocolError
 from entrypoints.openai.responses import (
     ChoiceCursor,
     TokenTexts,

@@ -151,7 +151,7 @@ def server_config_from_flags() -> ServerConfig:
 
 def _build_llm_engine(config: EngineConfig):
     # Imported here so that jax and the model load only when serving the real engine.
-    from engine.dp_engine import make_engine
+    from engine.scaleout.dp_engine import make_engine
 
     return make_engine(config)
 

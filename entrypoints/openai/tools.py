@@ -25,7 +25,8 @@ import re
 import uuid
 
 from engine.sampling_params import kind_of
-from engine.structured_output.params import StructuredOutputsParams
+from engine.structured_params import StructuredOutputsParams
+from entrypoints.openai.errors import ProtocolError
 
 MAX_TOOLS = 128
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
@@ -34,9 +35,7 @@ HERMES_OPEN = "<tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 
 
-def _error(param: str, message: str):
-    from entrypoints.openai.protocol import ProtocolError  # protocol imports this module
-
+def _error(param: str, message: str) -> ProtocolError:
     return ProtocolError(message, param=param)
 
 

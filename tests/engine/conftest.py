@@ -24,7 +24,7 @@ ENGINE_KNOBS = dict(
 
 @pytest.fixture(scope="session")
 def engine():
-    from engine.llm_engine import LLMEngine
+    from engine.core.llm_engine import LLMEngine
 
     return LLMEngine(EngineConfig(**ENGINE_KNOBS), progress=False)
 
@@ -65,7 +65,7 @@ TINY_KNOBS = dict(
 def tiny_engine():
     """A compiled engine on random:tiny (2 layers, vocab 256, byte tokenizer): for mechanism
     tests (recompiles, seeds, n > 1, aborts, bad input) where real numerics are not the point."""
-    from engine.llm_engine import LLMEngine
+    from engine.core.llm_engine import LLMEngine
 
     return LLMEngine(EngineConfig(**TINY_KNOBS), progress=False)
 
@@ -82,7 +82,7 @@ TINY_SPEC_KNOBS = dict(
 
 @pytest.fixture(scope="session")
 def tiny_spec_engine():
-    from engine.llm_engine import LLMEngine
+    from engine.core.llm_engine import LLMEngine
 
     return LLMEngine(EngineConfig(**TINY_SPEC_KNOBS), progress=False)
 

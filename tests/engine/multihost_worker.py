@@ -15,16 +15,16 @@ os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=2 --xla_backe
                            "--xla_cpu_use_fusion_emitters=false")  # tests/conftest.py's TEST_XLA_FLAGS
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from engine import multihost  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.scaleout import multihost  # noqa: E402
 from tests.engine.test_tensor_parallel import KNOBS, PROMPTS  # noqa: E402
 
 process_id, port = int(sys.argv[1]), sys.argv[2]
 config = EngineConfig(**KNOBS, tensor_parallel_size=4, coordinator_address=f"127.0.0.1:{port}",
                       num_processes=2, process_id=process_id)
 multihost.initialize(config.coordinator_address, 2, process_id, timeout_s=60, heartbeat_timeout_s=10)
-from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.core.llm_engine import LLMEngine  # noqa: E402
 
 engine = LLMEngine(config, progress=False)
 if process_id == 1:

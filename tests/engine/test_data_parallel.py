@@ -27,7 +27,7 @@ def loaded():
 
 @pytest.fixture(scope="module")
 def dp_engine(loaded):
-    from engine.dp_engine import DPEngine
+    from engine.scaleout.dp_engine import DPEngine
 
     return DPEngine(EngineConfig(**KNOBS, tensor_parallel_size=2, data_parallel_size=2), progress=False,
                     loaded=loaded)
@@ -40,7 +40,7 @@ def test_replicas_sit_on_disjoint_device_groups(dp_engine):
         assert set(replica.runner.kv_cache[0].devices()) == group
         assert set(replica.runner.params["embed"].devices()) == group
     with pytest.raises(ValueError, match="data_parallel_size"):
-        from engine.llm_engine import LLMEngine
+        from engine.core.llm_engine import LLMEngine
 
         LLMEngine(EngineConfig(**KNOBS, data_parallel_size=2))
 
@@ -74,7 +74,7 @@ def test_64_requests_balanced_with_prefix_affinity(dp_engine):
 
 
 def test_dp2_tp2_greedy_equals_tp1(dp_engine, loaded):
-    from engine.llm_engine import LLMEngine
+    from engine.core.llm_engine import LLMEngine
 
     single = LLMEngine(EngineConfig(**KNOBS), progress=False, loaded=loaded)
     prompts = [SYSTEMS[i % 2] + f"Item {i}." for i in range(8)]

@@ -1,9 +1,9 @@
-"""Prefill/decode disaggregation (engine/pd_engine.py) on random:tiny-gqa3 (3 KV heads, padded
-to 4 for TP = 2): a prefill pool and a decode pool of 2 virtual devices each, one PDEngine.
-Its prefill engine, used on its own, is the colocated reference (TP = 2, the same compiled
+"""Prefill/decode disaggregation (engine/disaggregation/pd_engine.py) on random:tiny-gqa3 (3 KV
+heads, padded to 4 for TP = 2): a prefill pool and a decode pool of 2 virtual devices each, one
+PDEngine. Its prefill engine, used on its own, is the colocated reference (TP = 2, the same compiled
 steps): greedy, seeded, n > 1, logprobs and stop strings give the same outputs; the first token
-comes out before the decode pool has the request; aborts in every phase, decode-side preemption
-and backpressure leave no block held; nothing recompiles after warm-up; metrics per pool."""
+comes out before the decode pool has the request; aborts in every phase, decode-side preemption and
+backpressure leave no block held; nothing recompiles after warm-up; metrics per pool."""
 
 import collections
 
@@ -23,7 +23,7 @@ PROMPTS = [SYSTEM + f"Question {i}: " + "why? " * i for i in range(10)]
 
 @pytest.fixture(scope="module")
 def pd():
-    from engine.pd_engine import PDEngine
+    from engine.disaggregation.pd_engine import PDEngine
 
     engine = PDEngine(EngineConfig(**KNOBS, disaggregation="prefill:2,decode:2"), progress=False)
     # Warm-up: a penalized request compiles the request tables' history fill in both pools.
@@ -229,7 +229,7 @@ def test_engine_config_checks_the_combination():
         EngineConfig(**KNOBS, disaggregation="prefill:1,decode:1", speculative_config={"method": "ngram"})
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         EngineConfig(**{**KNOBS, "enable_prefix_caching": False}, disaggregation="prefill:1,decode:1")
-    from engine.pd_engine import PDEngine
+    from engine.disaggregation.pd_engine import PDEngine
 
     with pytest.raises(ValueError, match="needs 6 devices here, but only 4"):
         PDEngine(EngineConfig(**KNOBS, disaggregation="prefill:3,decode:3"), progress=False)
@@ -292,24 +292,24 @@ def _free_port() -> int:
 
 def test_a_decode_pool_in_another_process_then_its_death_is_named(pd):
     """Two OS processes: this one runs the prefill pool (2 devices) and the engine, the other the
-    decode pool (`python -m engine.decode_pool`, 2 devices of its own); KV blocks move through
-    jax.experimental.transfer. Outputs equal colocated and every moved block is a prefix hit
-    there; only `step` waits for the decode process, which runs on by itself; random aborts in
-    every phase leave no block held in either process; killing the decode process makes the
-    next step fail with an error that names it, and the engine is dead, not hung."""
+    decode pool (`python -m engine.disaggregation.decode_pool`, 2 devices of its own); KV blocks
+    move through jax.experimental.transfer. Outputs equal colocated and every moved block is a
+    prefix hit there; only `step` waits for the decode process, which runs on by itself; random
+    aborts in every phase leave no block held in either process; killing the decode process makes
+    the next step fail with an error that names it, and the engine is dead, not hung."""
     import os
     import subprocess
     import sys
     import time
 
-    from engine.engine_stats import EngineDeadError
-    from engine.pd_engine import PDEngine
+    from engine.core.engine_stats import EngineDeadError
+    from engine.disaggregation.pd_engine import PDEngine
     from tests.conftest import TEST_XLA_FLAGS
 
     address = f"127.0.0.1:{_free_port()}"
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"--xla_force_host_platform_device_count=2 {TEST_XLA_FLAGS}")
-    proc = subprocess.Popen([sys.executable, "-m", "engine.decode_pool", f"--listen={address}"], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "engine.disaggregation.decode_pool", f"--listen={address}"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         remote = PDEngine(EngineConfig(**KNOBS, disaggregation=dict(prefill=2, decode=2, decode_address=address)),

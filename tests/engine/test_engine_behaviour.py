@@ -141,7 +141,7 @@ def test_bad_input_names_the_field_and_others_are_unaffected(tiny_engine, field,
 
 
 def test_unknown_engine_knob_is_named():
-    from engine.llm import LLM
+    from engine.frontends.llm import LLM
 
     with pytest.raises(ValueError, match="max_num_seqz"):
         LLM("random:tiny", max_num_seqz=4)

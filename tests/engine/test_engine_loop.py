@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.core.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from scheduler import Scheduler, SchedulerConfig
 from tests.engine.conftest import run_to_completion
@@ -104,7 +104,7 @@ def test_a_runner_that_lost_its_state_marks_the_engine_dead():
     runner.healthy = False
     engine.step()
     assert "lost its device state" in engine.dead_reason
-    from engine.llm_engine import EngineDeadError
+    from engine.core.llm_engine import EngineDeadError
 
     with pytest.raises(EngineDeadError):
         engine.add_request("b", prompt(2), GREEDY)

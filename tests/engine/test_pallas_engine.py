@@ -11,7 +11,7 @@ from tests.engine.conftest import TINY_KNOBS, run_to_completion
 
 
 def test_pallas_interpret_engine_matches_xla(tiny_engine):
-    from engine.llm_engine import LLMEngine
+    from engine.core.llm_engine import LLMEngine
 
     knobs = dict(TINY_KNOBS, attention_backend="pallas", interpret=True, token_buckets=(1, 16, 64),
                  seq_buckets=(4,), max_num_seqs=4)
@@ -30,7 +30,7 @@ def test_pallas_interpret_engine_matches_xla(tiny_engine):
 
 
 def test_pallas_on_the_cpu_without_interpret_is_a_clear_error_at_construction():
-    from engine.llm import LLM
+    from engine.frontends.llm import LLM
 
     with pytest.raises(ValueError, match="interpret=True"):
         LLM("random:tiny", attention_backend="pallas", max_num_seqs=2, max_num_batched_tokens=16,

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine.sampling_params import ParamError, SamplingParams
+from engine.errors import ParamError
+from engine.sampling_params import SamplingParams
 from models.llama import forward_dense
 from scheduler import Request, Scheduler, SchedulerConfig, StepResult
 from tests.engine.conftest import run_to_completion, scheduler_as, spec_off

@@ -7,14 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine.sampling_params import SamplingParams
-from engine.step_inputs import StepLayout
+from engine.step.step_inputs import StepLayout
 from models.llama import forward_dense
 from tests.engine.conftest import run_to_completion, scheduler_as
 
 
 def _old_layout_bytes(t: int, s: int, max_blocks_per_seq: int, max_model_len: int) -> int:
-    """The flat buffer of the previous design (commit 0f770cd, engine/step_inputs.py): attention
-    fields, nine per-row sampling arrays, flags, and the penalty history int32[S, max_model_len]."""
+    """The flat buffer of the previous design (commit 0f770cd, engine/step/step_inputs.py):
+    attention fields, nine per-row sampling arrays, flags, and the penalty history int32[S,
+    max_model_len]."""
     ints = 3 * t + (s + 1) + s + s * max_blocks_per_seq + s + 1 + 9 * s + s * max_model_len + 4
     return 4 * ints
 
@@ -46,7 +47,7 @@ def test_one_transfer_per_step_and_none_sized_by_history(tiny_engine, monkeypatc
     assert sent == [4 * layout.size] * 4  # decode steps: only the bucket's flat buffer
     run_to_completion(engine, [])
     # A constrained request's steps also send the token mask, [L, ceil(V / 32)] int32.
-    from engine.structured_output import StructuredOutputsParams
+    from engine.structured_params import StructuredOutputsParams
 
     so = SamplingParams(temperature=0.7, seed=1, max_tokens=3,
                         structured_outputs=StructuredOutputsParams(regex="[ab]{3}"))

@@ -1,6 +1,6 @@
-"""The data-parallel router alone (engine/router.py): prefix affinity first, then least load."""
+"""The data-parallel router alone (engine/scaleout/router.py): prefix affinity, then least load."""
 
-from engine.router import PrefixAffinityRouter
+from engine.scaleout.router import PrefixAffinityRouter
 
 
 def _router(**kwargs):

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from engine.buckets import Bucket, default_buckets
+from engine.step.buckets import Bucket, default_buckets
 
 
 def test_buckets_are_declared_and_a_shape_outside_is_an_error(engine):
@@ -47,7 +47,7 @@ def test_second_start_reuses_the_persistent_compilation_cache(tmp_path):
                 hits[0] += 1
         jax.monitoring.register_event_listener(listen)
         from engine.config import EngineConfig
-        from engine.llm_engine import LLMEngine
+        from engine.core.llm_engine import LLMEngine
         for start in ("FIRST", "SECOND"):
             jax.clear_caches()
             before = hits[0]
@@ -71,7 +71,7 @@ def test_background_compile_serves_at_once_in_compiled_buckets_then_compiles_the
     """background_compile: the smallest and largest buckets compile at start-up; until another
     bucket is ready its steps pad into the next compiled one, and the tokens are the same."""
     from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from engine.core.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
     from tests.engine.conftest import TINY_KNOBS, run_to_completion
 
@@ -99,7 +99,7 @@ def test_exit_while_buckets_compile_in_the_background_is_clean(tmp_path):
     process with "FATAL: exception not rethrown", e.g. `make serve` stopped in its first seconds)."""
     script = textwrap.dedent("""
         from engine.config import EngineConfig
-        from engine.llm_engine import LLMEngine
+        from engine.core.llm_engine import LLMEngine
         from tests.engine.conftest import TINY_KNOBS
 
         # The default model's shapes: tiny's compiles end too fast to be caught in one.

@@ -31,8 +31,8 @@ def draft_engine(tiny_spec_engine):
     runner compiles here. The two engines take turns and leave the runner's table empty."""
     import types
 
-    from engine.builder import build_draft_proposer, scheduler_config_for
-    from engine.llm_engine import LLMEngine
+    from engine.core.builder import build_draft_proposer, scheduler_config_for
+    from engine.core.llm_engine import LLMEngine
     from scheduler import Scheduler
 
     config = EngineConfig(**DRAFT_KNOBS)

@@ -57,7 +57,7 @@ def trained_head(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def head_engine(trained_head):
-    from engine.llm_engine import LLMEngine
+    from engine.core.llm_engine import LLMEngine
 
     knobs = dict(TINY_KNOBS, token_buckets=(4, 16, 64), speculative_config=dict(SPEC, model=str(trained_head[0])))
     engine = LLMEngine(EngineConfig(**knobs), progress=False)
@@ -163,7 +163,7 @@ def test_draft_head_through_preemption_prefix_caching_and_aborts_compiles_nothin
 def test_stats_and_switches_are_the_common_ones(head_engine):
     from engine.metrics import ServerMetrics
     from engine.spec_decode.base import make_spec_decoder
-    from engine.spec_decode.config import SpeculativeConfig
+    from engine.speculative_config import SpeculativeConfig
 
     engine = head_engine
     prompts = _prompts(engine.model_config.vocab_size, seed=10)

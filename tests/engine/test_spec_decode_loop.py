@@ -9,7 +9,7 @@ mostly right and sometimes wrong (rejected and rolled back).
 import numpy as np
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.core.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from scheduler import Scheduler, SchedulerConfig
 from tests.engine.conftest import run_to_completion

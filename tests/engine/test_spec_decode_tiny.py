@@ -12,7 +12,7 @@ import pytest
 from engine.metrics import ServerMetrics
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.base import make_spec_decoder
-from engine.spec_decode.config import SpeculativeConfig
+from engine.speculative_config import SpeculativeConfig
 from tests.engine.conftest import run_to_completion, scheduler_as, spec_off
 
 
@@ -238,7 +238,7 @@ def test_constrained_requests_beside_speculating_ones_get_no_drafts(tiny_spec_en
 
     import jsonschema
 
-    from engine.structured_output import StructuredOutputsParams
+    from engine.structured_params import StructuredOutputsParams
 
     schema = {"type": "object", "properties": {"k": {"enum": ["a", "b"]}}, "required": ["k"],
               "additionalProperties": False}

@@ -8,10 +8,10 @@ import pytest
 from scipy import stats as sps
 
 from engine.config import EngineConfig
-from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.ngram import NgramProposer, longest_suffix_match
 from engine.spec_decode.switch import AcceptanceTracker, LoadSwitch
 from engine.spec_decode.verify import draft_rows, earlier_draft_counts, kept_rows, rejection_sample
+from engine.speculative_config import SpeculativeConfig
 from scheduler import Request
 
 

@@ -10,9 +10,10 @@ import re
 import jsonschema
 import pytest
 
-from engine.model_runner import num_backend_compilations
-from engine.sampling_params import ParamError, SamplingParams
-from engine.structured_output import StructuredOutputsParams
+from engine.errors import ParamError
+from engine.sampling_params import SamplingParams
+from engine.step.model_runner import num_backend_compilations
+from engine.structured_params import StructuredOutputsParams
 from tests.engine.conftest import run_to_completion, scheduler_as
 from tests.engine.structured_cases import random_schemas
 

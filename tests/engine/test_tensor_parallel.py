@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from engine.config import EngineConfig
-from engine.mesh import device_grid, make_mesh, replica_meshes
 from engine.sampling_params import SamplingParams
+from engine.step.mesh import device_grid, make_mesh, replica_meshes
 from models.config import preset_config
 from models.sharding import shard_layer_host, tp_layout
 from tests.engine.conftest import run_to_completion
@@ -29,7 +29,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs
 
 @pytest.fixture(scope="module")
 def engines():
-    from engine.llm_engine import LLMEngine
+    from engine.core.llm_engine import LLMEngine
     from models.loader import load_model
 
     loaded = load_model("random:tiny-gqa3", host=True)

@@ -44,8 +44,8 @@ def loaded():
 
 @pytest.fixture(scope="module")
 def engines(loaded):
-    from engine.dp_engine import DPEngine
-    from engine.llm_engine import LLMEngine
+    from engine.core.llm_engine import LLMEngine
+    from engine.scaleout.dp_engine import DPEngine
 
     out = {tp: LLMEngine(EngineConfig(**KNOBS, tensor_parallel_size=tp), progress=False, loaded=loaded)
            for tp in (2, 4)}

@@ -7,8 +7,8 @@ import pytest
 
 from engine.metrics import Histogram, ServerMetrics
 from engine.outputs import CompletionOutput
+from entrypoints.openai.errors import ProtocolError
 from entrypoints.openai.protocol import (
-    ProtocolError,
     check_context,
     parse_chat_request,
     parse_completion_request,

@@ -14,8 +14,8 @@ from aiohttp import web
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from fake_engine import FakeLLMEngine  # noqa: E402
 
-from engine.async_engine import AsyncLLMEngine, EngineDeadError  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
+from engine.frontends.async_engine import AsyncLLMEngine, EngineDeadError  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from entrypoints.openai.api_server import OpenAIServer, ServerConfig, default_body_limit  # noqa: E402
 

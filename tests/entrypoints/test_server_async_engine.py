@@ -10,8 +10,8 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from fake_engine import FakeLLMEngine  # noqa: E402
 
-from engine.async_engine import AsyncLLMEngine, EngineError  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
+from engine.frontends.async_engine import AsyncLLMEngine, EngineError  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
 

@@ -10,7 +10,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from test_server_admission import serving  # noqa: E402
 
 from engine.config import EngineConfig  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.core.llm_engine import LLMEngine  # noqa: E402
 from scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from tests.engine.fake_runner import FakeRunner, expected_output  # noqa: E402
 from text.byte_tokenizer import ByteTokenizer  # noqa: E402

@@ -12,7 +12,7 @@ from experiments.engine_replay import ReplayConfig
 
 @pytest.fixture(scope="module")
 def engine():
-    from engine.llm_engine import LLMEngine
+    from engine.core.llm_engine import LLMEngine
 
     return LLMEngine(EngineConfig(
         model="random:tiny", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128,

@@ -261,8 +261,9 @@ def test_max_num_seqs_caps_the_batch(fake_step):
 
 
 def test_held_admissions_let_running_requests_go_on(fake_step):
-    """A decode pool whose imported blocks have not landed holds admissions (engine/decode_pool.py):
-    running requests keep decoding, a waiting one starts once the hold is lifted."""
+    """A decode pool whose imported blocks have not landed holds admissions
+    (engine/disaggregation/decode_pool.py): running requests keep decoding, a waiting one starts
+    once the hold is lifted."""
     s = make_scheduler()
     s.add_request(req("running", 8))
     fake_step(s)

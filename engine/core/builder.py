@@ -11,10 +11,15 @@ import time
 
 import jax
 
-from engine.buckets import RunnerShapes, max_logit_rows, resolve_seq_buckets, resolve_token_buckets
 from engine.config import EngineConfig, resolve_dtype, resolve_layer_loop
-from engine.kv_cache import num_blocks_for
-from engine.model_runner import ModelRunner
+from engine.step.buckets import (
+    RunnerShapes,
+    max_logit_rows,
+    resolve_seq_buckets,
+    resolve_token_buckets,
+)
+from engine.step.kv_cache import num_blocks_for
+from engine.step.model_runner import ModelRunner
 from models.loader import load_model
 from pallas_kernels import resolve_backend
 from scheduler import Scheduler, SchedulerConfig
@@ -34,14 +39,14 @@ class EngineParts:
     load_seconds: float = 0.0
     compile_seconds: float = 0.0
     proposer: object = None  # speculative decoding's proposer when it needs parts (a draft model)
-    placement: object = None  # engine/placement.Placement on a mesh; None: one device
+    placement: object = None  # engine/step/placement.Placement on a mesh; None: one device
 
 
 def default_placement(config: EngineConfig):
     """A (1, tp) mesh over the first tp devices when tensor_parallel_size > 1; None otherwise."""
     if config.tensor_parallel_size == 1:
         return None
-    from engine.mesh import replica_meshes
+    from engine.step.mesh import replica_meshes
 
     return replica_meshes(config.tensor_parallel_size, 1)[0]
 
@@ -66,7 +71,7 @@ def load_for_mesh(config: EngineConfig, *, progress: bool = True):
 
 def build_parts(config: EngineConfig, *, progress: bool = True, mesh=None, loaded=None,
                 keep_hidden: bool = False) -> EngineParts:
-    """The parts of one engine (one replica). `mesh`: its device group (engine/mesh.py), None:
+    """The parts of one engine (one replica). `mesh`: its device group (engine/step/mesh.py), None:
     a (1, tensor_parallel_size) mesh when that is > 1, else the default device. `loaded`: a
     LoadedModel already in host memory (data parallelism loads once for all replicas).
     `keep_hidden`: the runner keeps each step's final hidden states on the device (a draft head
@@ -88,7 +93,7 @@ def build_parts(config: EngineConfig, *, progress: bool = True, mesh=None, loade
     placement, params, kv_config = None, loaded.params, loaded.config
     layer_loop = resolve_layer_loop(config, platform)
     if mesh is not None:
-        from engine.placement import Placement
+        from engine.step.placement import Placement
 
         placement = Placement.for_mesh(mesh, loaded.config)
         params = placement.place(loaded.params, loaded.config, dtype=dtype, layer_loop=layer_loop)

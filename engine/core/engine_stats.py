@@ -35,8 +35,8 @@ class EngineStats:
     num_mask_steps: int = 0  # steps that filled at least one token mask
     weight_bytes_per_device: tuple[int, ...] = ()  # the weights' shards on each device of the group
     kv_cache_bytes_per_device: tuple[int, ...] = ()  # the KV cache's shards on each device
-    replicas: tuple = ()  # data parallelism (engine/dp_engine.py): each replica's own EngineStats
-    router: object = None  # data parallelism: engine/router.RouterStats
-    pool_names: tuple[str, ...] = ()  # disaggregation (engine/pd_engine.py): `replicas` are these pools
-    kv_transfer: object = None  # disaggregation: engine/kv_transfer.TransferStats
+    replicas: tuple = ()  # data parallelism (engine/scaleout/dp_engine.py): each replica's own EngineStats
+    router: object = None  # data parallelism: engine/scaleout/router.RouterStats
+    pool_names: tuple[str, ...] = ()  # disaggregation (engine/disaggregation/pd_engine.py): `replicas` are these pools
+    kv_transfer: object = None  # disaggregation: engine/disaggregation/kv_transfer.TransferStats
     num_pending_transfers: int = 0  # disaggregation: moved requests the decode pool has not admitted yet

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from engine.request_table import RowParams
+from engine.row_params import RowParams
 from engine.sampling_params import SamplingParams
 from scheduler.outputs import TokenLogprobs
 from text.detokenizer import IncrementalDetokenizer
@@ -17,9 +17,10 @@ from text.detokenizer import IncrementalDetokenizer
 
 @dataclasses.dataclass
 class Resume:
-    """A request whose prompt ran in another engine (the prefill pool of engine/pd_engine.py):
-    each sequence's output there (its first token, logprobs, and finish if it already ended), in
-    sequence order, when that token came, and the prompt's logprobs if they were asked for."""
+    """A request whose prompt ran in another engine (the prefill pool of
+    engine/disaggregation/pd_engine.py): each sequence's output there (its first token, logprobs,
+    and finish if it already ended), in sequence order, when that token came, and the prompt's
+    logprobs if they were asked for."""
 
     first: list[CompletionOutput]
     first_token_time: float

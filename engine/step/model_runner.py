@@ -1,17 +1,17 @@
 """ModelRunner: the scheduler's plan in, sampled tokens out, through one compiled step per bucket.
 
-1. At start-up every bucket (padded tokens T, sequences S, logit rows L; engine/buckets.py) is
+1. At start-up every bucket (padded tokens T, sequences S, logit rows L; buckets.py) is
    lowered against abstract shapes and compiled ahead of time, with a progress bar; the
    persistent compilation cache makes a restart fast. A step whose shape falls outside the
    buckets is an error, never a recompile. With background_compile only the smallest and the
    largest bucket compile before serving; the rest compile on a thread, and meanwhile a step runs
    in the smallest compiled bucket that fits it (`compile_in_background`).
-2. `execute(scheduler_output)` first updates the request table (engine/request_table.py: the
+2. `execute(scheduler_output)` first updates the request table (request_table.py: the
    requests that left are dropped, the ones that joined get a slot), then fills the bucket's flat
    input buffer (BatchBuilder; every StepInputs field is a view into it), moves it to the device
    in one transfer, and runs the bucket's executable. The KV cache and the table state are
    donated, so each layer's new K/V and each sampled token's count are written in place.
-3. The step returns one packed float32 array (see engine/sampler.py); one device-to-host copy
+3. The step returns one packed float32 array (see sampler.py); one device-to-host copy
    gives every sampled id and its logprobs, read into a StepResult: per request, a list of
    tokens and typed logprobs (TokenLogprobs). A row that verified d drafts (speculative
    decoding, engine/spec_decode/) keeps its samples up to the first that differs from its draft,
@@ -34,12 +34,12 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from engine.buckets import Bucket, RunnerShapes
-from engine.kv_cache import allocate_kv_cache
-from engine.placement import Placement
-from engine.request_table import RequestTable
-from engine.sampler import sample
-from engine.step_inputs import BatchBuilder, StepLayout
+from engine.step.buckets import Bucket, RunnerShapes
+from engine.step.kv_cache import allocate_kv_cache
+from engine.step.placement import Placement
+from engine.step.request_table import RequestTable
+from engine.step.sampler import sample
+from engine.step.step_inputs import BatchBuilder, StepLayout
 from models.config import ModelConfig
 from models.llama import forward_paged
 from models.served_layout import fuse_projections, pack_layer_bits, stack_layers
@@ -87,7 +87,7 @@ class ModelRunner:
         else:
             if keep_hidden:
                 raise ValueError("ModelRunner(keep_hidden=True) runs on one device (no placement)")
-            # On a mesh (engine/placement.py): params already padded, fused per shard and placed
+            # On a mesh (placement.py): params already padded, fused per shard and placed
             # shard by shard; the cache split on KV heads; inputs and the table replicated.
             self.params = params
             self.kv_cache = allocate_kv_cache(placement.layout.padded, shapes.num_blocks, shapes.block_size,

@@ -13,9 +13,9 @@ from collections.abc import Sequence
 from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
-from engine.dp_engine import make_engine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.scaleout.dp_engine import make_engine
 
 
 class LLM:

@@ -2,7 +2,7 @@
 and min-p filters, per-request seeds, and logprobs, over L logit rows (one per sampled position).
 
 Each logit row belongs to a request-table slot (`inputs.logits_slots`); its sampling values and
-penalty state are gathered from the table on the device (engine/request_table.py).
+penalty state are gathered from the table on the device (request_table.py).
 
 1. Logprobs are the log-softmax of the raw logits (before penalties and temperature), as in vLLM.
    Then (each only when some row uses it) the slot's logit-bias row is added (logit_bias,
@@ -33,8 +33,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from engine.request_table import SAMPLING_FIELDS, TableState
 from engine.spec_decode.verify import draft_rows, earlier_draft_counts, kept_rows
+from engine.step.request_table import SAMPLING_FIELDS, TableState
 
 
 @dataclasses.dataclass

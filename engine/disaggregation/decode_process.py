@@ -1,8 +1,8 @@
 """The decode process of prefill/decode disaggregation across processes: `serve(listen)` runs a
-decode pool for one leader (`python -m engine.decode_pool --listen=HOST:PORT` calls it). The
-protocol, seen from the leader, is in engine/decode_pool.py (`RemoteDecodePool`); this is its
-other end: a loop that steps the pool whenever it has work and, between steps, takes the
-leader's messages (`start`, `step`, `offer`, `write`, `abort`, `stats`, `reconfigure`, `close`).
+decode pool for one leader (`python -m engine.disaggregation.decode_pool --listen=HOST:PORT` calls
+it). The protocol, seen from the leader, is in decode_pool.py (`RemoteDecodePool`); this is its
+other end: a loop that steps the pool whenever it has work and, between steps, takes the leader's
+messages (`start`, `step`, `offer`, `write`, `abort`, `stats`, `reconfigure`, `close`).
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from __future__ import annotations
 import concurrent.futures
 import time
 
-from engine.decode_pool import DecodePool, authkey, failed_output, split_address
+from engine.disaggregation.connection import authkey, split_address
+from engine.disaggregation.local_pool import DecodePool, failed_output
 from scheduler import block_pool
 
 
@@ -21,9 +22,9 @@ def serve(listen: str) -> None:
     import jax
     from jax.experimental import transfer
 
-    from engine.kv_transfer import KVScatter
-    from engine.llm_engine import LLMEngine
-    from engine.mesh import replica_meshes
+    from engine.core.llm_engine import LLMEngine
+    from engine.disaggregation.kv_transfer import KVScatter
+    from engine.step.mesh import replica_meshes
 
     host, port = split_address(listen)
     with Listener((host, port), authkey=authkey()) as listener, listener.accept() as conn:

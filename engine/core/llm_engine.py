@@ -17,7 +17,7 @@ detokenizing fails only that request.
 
 A request with n > 1 runs as n scheduler requests ("<id>#<i>") that share the prompt; they meet
 again in one RequestOutput. The engine is single-threaded: the async server drives it from one
-thread. `LLMEngine(config)` builds its own parts (engine/builder.py); `LLMEngine.from_parts`
+thread. `LLMEngine(config)` builds its own parts (builder.py); `LLMEngine.from_parts`
 takes a scheduler, a runner and a tokenizer made elsewhere (a fake runner in tests).
 """
 
@@ -29,17 +29,18 @@ import threading
 import time
 import zlib
 
-from engine.builder import EngineParts, build_parts, scheduler_config_for
 from engine.config import EngineConfig
-from engine.engine_stats import EngineDeadError, EngineStats
-from engine.logit_controls import build_logit_controls
-from engine.model_runner import num_backend_compilations
+from engine.core.builder import EngineParts, build_parts, scheduler_config_for
+from engine.core.engine_stats import EngineDeadError, EngineStats
+from engine.core.request_state import RequestState, Resume, SequenceState
+from engine.errors import ParamError
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from engine.placement import device_bytes
-from engine.request_state import RequestState, Resume, SequenceState
-from engine.request_table import RowParams
-from engine.sampling_params import ParamError, SamplingParams
+from engine.row_params import RowParams
+from engine.sampling_params import SamplingParams
 from engine.spec_decode.base import make_spec_decoder
+from engine.step.logit_controls import build_logit_controls
+from engine.step.model_runner import num_backend_compilations
+from engine.step.placement import device_bytes
 from engine.structured_output.masks import BadWordsState
 from scheduler import FinishReason, Request, Scheduler
 
@@ -50,11 +51,12 @@ SCHEDULER_KNOBS = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "e
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, *, progress: bool = True, mesh=None, loaded=None):
-        """`mesh`: this engine's device group (engine/mesh.py; None: from tensor_parallel_size);
-        `loaded`: a models.loader.LoadedModel to use instead of loading config.model."""
+        """`mesh`: this engine's device group (engine/step/mesh.py; None: from
+        tensor_parallel_size); `loaded`: a models.loader.LoadedModel to use instead of loading
+        config.model."""
         if config.data_parallel_size > 1 and mesh is None:
             raise ValueError(f"EngineConfig.data_parallel_size={config.data_parallel_size}: one LLMEngine "
-                             "is one replica; build engine.dp_engine.DPEngine (or make_engine) instead")
+                             "is one replica; build engine.scaleout.dp_engine.DPEngine (or make_engine) instead")
         self._setup(build_parts(config, progress=progress, mesh=mesh, loaded=loaded))
 
     @classmethod
@@ -168,14 +170,15 @@ class LLMEngine:
                         priority: int = 0, prompt_text: str | None = None,
                         group_id: str | None = None, grammar=None, base_seed: int | None = None,
                         resume: Resume | None = None) -> RequestState:
-        """Validates a request and builds its state without touching the scheduler (so while
-        another thread steps this engine: engine/pd_engine.py); `submit` queues it. `group_id` ties the prompts of one client request together for the
-        fairness cap (EngineConfig.max_request_share); by default the request is its own group.
-        `grammar`: params.structured_outputs already compiled (compile_grammar, on another
-        thread); without it a constrained request is compiled here (the LRU makes a repeat free).
-        `base_seed`: the sampling seed of an unseeded request (default: the engine's counter).
-        `resume`: the prompt ran elsewhere (the prefill pool, engine/pd_engine.py): each sequence
-        starts with its first token, and the prompt's KV is expected in the prefix cache."""
+        """Validates a request and builds its state without touching the scheduler (so while another
+        thread steps this engine: engine/disaggregation/pd_engine.py); `submit` queues it.
+        `group_id` ties the prompts of one client request together for the fairness cap
+        (EngineConfig.max_request_share); by default the request is its own group. `grammar`:
+        params.structured_outputs already compiled (compile_grammar, on another thread); without it
+        a constrained request is compiled here (the LRU makes a repeat free). `base_seed`: the
+        sampling seed of an unseeded request (default: the engine's counter). `resume`: the prompt
+        ran elsewhere (the prefill pool, engine/disaggregation/pd_engine.py): each sequence starts
+        with its first token, and the prompt's KV is expected in the prefix cache."""
         self._check_alive()
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):

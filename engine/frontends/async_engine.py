@@ -25,7 +25,7 @@ waiting queue, so `queue_is_full` and the pending count are in sequences. Each a
 `group_id` (one per HTTP request) for the engine's fairness cap.
 
 What crosses between the two threads (the commands, `RequestStream`, `EngineError` and
-`EngineDeadError`) is in engine/request_stream.py; the public names are importable from here.
+`EngineDeadError`) is in request_stream.py; the public names are importable from here.
 """
 
 from __future__ import annotations
@@ -38,9 +38,7 @@ import queue
 import threading
 import time
 
-from engine.metrics import ServerMetrics
-from engine.outputs import RequestOutput
-from engine.request_stream import (
+from engine.frontends.request_stream import (
     AbortCommand,
     AddCommand,
     EngineDeadError,
@@ -48,6 +46,8 @@ from engine.request_stream import (
     RequestStream,
     StopCommand,
 )
+from engine.metrics import ServerMetrics
+from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

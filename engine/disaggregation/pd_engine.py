@@ -2,7 +2,7 @@
 
 `EngineConfig(disaggregation="prefill:2,decode:2")`: the first devices form the prefill pool,
 the next ones the decode pool (or, with `decode_address`, another process's devices:
-engine/decode_pool.py), each a (1, n) mesh with tensor parallelism inside it and its own
+decode_pool.py), each a (1, n) mesh with tensor parallelism inside it and its own
 LLMEngine (scheduler, request table, compiled steps, paged KV cache). The model is loaded once
 into host memory; each pool places its own shards. A request's life:
 
@@ -11,7 +11,7 @@ into host memory; each pool places its own shards. A request's life:
    is returned at once (finish_reason None), so the client's stream starts before the KV moves.
 2. When the prefill engine finishes it, the prompt's full blocks are found in the prefill pool's
    prefix cache by their hashes (cached before the request was freed; nothing allocated since),
-   gathered (engine/kv_transfer.py, block counts padded to buckets) and sent with
+   gathered (kv_transfer.py, block counts padded to buckets) and sent with
    `jax.device_put` onto the decode cache's sharding, all without waiting.
 3. When the decode pool is idle, its KVCacheManager.import_blocks registers blocks under the same
    hashes (keeping any it holds already) and pins them, the new ones are scattered into its
@@ -20,7 +20,7 @@ into host memory; each pool places its own shards. A request's life:
    scheduler admits it as a prefix hit on every full prompt block and computes the partial last
    block (fewer than block_size tokens) with the first token. The pins go once it is admitted;
    the prefill pool's blocks stay there as its prefix cache. A decode pool in another process
-   does the same on its own between its steps (engine/decode_pool.py): the handover is a
+   does the same on its own between its steps (decode_pool.py): the handover is a
    message, and this process never waits for that pool's step to take it.
 
 `step()` keeps one step of each pool in flight on its own thread and returns the outputs of the
@@ -44,12 +44,13 @@ import time
 import jax
 
 from engine.config import EngineConfig
-from engine.decode_pool import DecodePool, failed_output
-from engine.engine_stats import EngineDeadError, EngineStats
-from engine.llm_engine import LLMEngine
+from engine.core.engine_stats import EngineDeadError, EngineStats
+from engine.core.llm_engine import LLMEngine
+from engine.core.request_state import Resume
+from engine.disaggregation.local_pool import DecodePool, failed_output
+from engine.errors import ParamError
 from engine.outputs import RequestOutput
-from engine.request_state import Resume
-from engine.sampling_params import ParamError, SamplingParams
+from engine.sampling_params import SamplingParams
 from scheduler import block_pool
 from scheduler.block_pool import hash_block_tokens
 
@@ -74,10 +75,15 @@ class _Pending:
 
 class PDEngine:
     def __init__(self, config: EngineConfig, *, progress: bool = True, devices=None, loaded=None):
-        from engine.builder import load_for_mesh
-        from engine.decode_pool import RemoteDecodePool
-        from engine.kv_transfer import KVGather, KVScatter, TransferClock, block_buckets
-        from engine.mesh import replica_meshes
+        from engine.core.builder import load_for_mesh
+        from engine.disaggregation.decode_pool import RemoteDecodePool
+        from engine.disaggregation.kv_transfer import (
+            KVGather,
+            KVScatter,
+            TransferClock,
+            block_buckets,
+        )
+        from engine.step.mesh import replica_meshes
 
         pd = config.disaggregation
         devices = list(jax.devices() if devices is None else devices)

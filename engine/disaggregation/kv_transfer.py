@@ -9,7 +9,7 @@ halves compile every bucket at start-up, so nothing compiles while serving:
   positions carry an out-of-range block id and are dropped.
 
 Between them the arrays move with JAX's own transfers: `jax.device_put` onto the destination
-cache's sharding in one process (engine/decode_pool.py's DecodePool), or
+cache's sharding in one process (decode_pool.py's DecodePool), or
 `jax.experimental.transfer` between processes (RemoteDecodePool). Everything is dispatched without
 waiting; device order puts the scatter before the destination's next step. Only the arrays of
 one pool ever meet in one op (DESIGN.md section 12).

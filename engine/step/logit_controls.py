@@ -1,6 +1,6 @@
 """What a request's logit_bias, allowed_token_ids and bad_words become in the runner.
 
-All three fold into one logit-bias row per request (engine/request_table.py, written once when the
+All three fold into one logit-bias row per request (request_table.py, written once when the
 request joins, added in the sampler when some row of the step uses one):
 - allowed_token_ids: -inf everywhere, 0 at the allowed ids;
 - logit_bias: OpenAI's bias added at each id (an id outside allowed_token_ids stays -inf);
@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import math
 
-from engine.request_table import BiasRow
-from engine.sampling_params import ParamError, SamplingParams
+from engine.errors import ParamError
+from engine.row_params import BiasRow
+from engine.sampling_params import SamplingParams
 
 
 def _check_ids(ids, vocab_size: int, param: str) -> None:

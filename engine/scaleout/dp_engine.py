@@ -1,11 +1,11 @@
 """DPEngine: data_parallel_size replicas driven by one process, behind LLMEngine's interface.
 
-Each replica is a whole LLMEngine (its own scheduler, request table, KV cache and compiled steps)
-on its own device group: row r of the (data, model) device grid, a (1, tp) mesh (engine/mesh.py),
+Each replica is a whole LLMEngine (its own scheduler, request table, KV cache and compiled steps) on
+its own device group: row r of the (data, model) device grid, a (1, tp) mesh (engine/step/mesh.py),
 so TP runs inside each replica. The model is loaded once into host memory and each replica places
 its own shards. What happens:
 
-1. `add_request` tokenizes the prompt, asks the router (engine/router.py: prefix affinity, then
+1. `add_request` tokenizes the prompt, asks the router (router.py: prefix affinity, then
    least outstanding tokens) for a replica, and hands the request to that replica's engine; the
    request's replica is remembered until it finishes (aborts go to the same place).
 2. `step()` steps every replica that has work, each on its own thread: JAX releases the GIL while
@@ -25,9 +25,10 @@ import concurrent.futures
 import dataclasses
 
 from engine.config import EngineConfig
-from engine.llm_engine import EngineDeadError, EngineStats, LLMEngine
-from engine.router import PrefixAffinityRouter
-from engine.sampling_params import ParamError, SamplingParams
+from engine.core.llm_engine import EngineDeadError, EngineStats, LLMEngine
+from engine.errors import ParamError
+from engine.sampling_params import SamplingParams
+from engine.scaleout.router import PrefixAffinityRouter
 
 # Summed over replicas in the aggregate EngineStats; everything else is taken from replica 0 or
 # recomputed (kv_cache_usage, padded_token_fraction: averages).
@@ -38,17 +39,17 @@ _SUMMED = ("num_running", "num_waiting", "prefix_cache_queries", "prefix_cache_h
 
 
 def make_engine(config: EngineConfig, *, progress: bool = True):
-    """An LLMEngine, a DPEngine when data_parallel_size > 1, or a PDEngine (engine/pd_engine.py)
-    with disaggregation. Multi-host (num_processes > 1):
-    every process joins the mesh and builds the same engine; process 0 gets it back (its steps
-    are published to the others), any other process follows process 0's steps here and exits
-    when the leader stops (engine/multihost.py)."""
+    """An LLMEngine, a DPEngine when data_parallel_size > 1, or a PDEngine
+    (engine/disaggregation/pd_engine.py) with disaggregation. Multi-host (num_processes > 1): every
+    process joins the mesh and builds the same engine; process 0 gets it back (its steps are
+    published to the others), any other process follows process 0's steps here and exits when the
+    leader stops (multihost.py)."""
     if config.num_processes > 1:
-        from engine import multihost
+        from engine.scaleout import multihost
 
         return multihost.engine_for_process(config, progress=progress)
     if config.disaggregation is not None:
-        from engine.pd_engine import PDEngine
+        from engine.disaggregation.pd_engine import PDEngine
 
         return PDEngine(config, progress=progress)
     if config.data_parallel_size > 1:
@@ -58,8 +59,8 @@ def make_engine(config: EngineConfig, *, progress: bool = True):
 
 class DPEngine:
     def __init__(self, config: EngineConfig, *, progress: bool = True, devices=None, loaded=None):
-        from engine.builder import load_for_mesh
-        from engine.mesh import replica_meshes
+        from engine.core.builder import load_for_mesh
+        from engine.step.mesh import replica_meshes
 
         meshes = replica_meshes(config.tensor_parallel_size, config.data_parallel_size, devices)
         loaded = loaded or load_for_mesh(config, progress=progress)

@@ -5,7 +5,7 @@ host every field is a view into ONE flat int32 buffer per bucket (float32 and ui
 bit-cast views), so a step moves all of its inputs to the device in one transfer; inside the
 compiled step `StepLayout.unpack` slices the flat array back into StepInputs with static offsets.
 Buffers are allocated once per bucket and refilled every step. Per-request sampling state lives
-in the runner's request table on the device (engine/request_table.py): only the rows that join in
+in the runner's request table on the device (request_table.py): only the rows that join in
 this step carry their values here, so nothing sized max_model_len crosses per step.
 """
 
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine.request_table import SAMPLING_FIELDS, RequestTable
+from engine.step.request_table import SAMPLING_FIELDS, RequestTable
 from engine.structured_output.masks import MaskFiller
 from scheduler import SchedulerOutput
 

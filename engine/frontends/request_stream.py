@@ -1,4 +1,4 @@
-"""What passes between the event loop and AsyncLLMEngine's step thread (engine/async_engine.py).
+"""What passes between the event loop and AsyncLLMEngine's step thread (async_engine.py, beside it).
 
 - In, on the engine's thread-safe command queue: `AddCommand` (a request, with the concurrent
   Future its handler awaits), `AbortCommand` and `StopCommand`. The step thread blocks on the
@@ -15,13 +15,17 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from engine.async_engine import AsyncLLMEngine
+
+class Aborter(Protocol):
+    """What a stream needs of its engine (AsyncLLMEngine): aborting one engine request. A protocol,
+    so that this module does not import async_engine.py, which imports it."""
+
+    def abort(self, request_id: str) -> None: ...
 
 
 class EngineError(RuntimeError):
@@ -63,7 +67,7 @@ class RequestStream:
     takes it: a slow reader costs one output per request, not a backlog.
     """
 
-    def __init__(self, engine: AsyncLLMEngine):
+    def __init__(self, engine: Aborter):
         self._engine = engine
         self._newest: dict[str, RequestOutput] = {}
         self._error: EngineError | None = None

@@ -51,7 +51,7 @@ def _client():
 
     client = distributed.global_state.client
     if client is None:
-        raise MultiHostError("jax.distributed is not initialized (call engine.multihost.initialize)")
+        raise MultiHostError("jax.distributed is not initialized (call engine.scaleout.multihost.initialize)")
     return client
 
 
@@ -132,7 +132,7 @@ def engine_for_process(config, *, progress: bool = True):
     import atexit
     import sys
 
-    from engine.llm_engine import LLMEngine
+    from engine.core.llm_engine import LLMEngine
 
     if config.data_parallel_size > 1:
         raise ValueError("EngineConfig.data_parallel_size > 1 with num_processes > 1 is not supported "
