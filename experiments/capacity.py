@@ -30,9 +30,9 @@ copies, and attainable bandwidth and FLOP/s below the spec sheet's peak.
 
 Where it lives: steps 1-5 (`capacity()`), the comparison with a measured concurrency sweep
 (`compare_with_measured`) and the command line are here; the device figures (`DEVICES`, and
-`device_from_probe` for this machine) are in experiments/capacity_devices.py; the report
+`device_from_probe` for this machine) are in experiments/lab/capacity_devices.py; the report
 (`CapacityReport`, `DecodePoint`) and its text and plot (`format_report`, `plot`) are in
-experiments/capacity_report.py. Every name is importable from this module (the notebook's
+experiments/lab/capacity_report.py. Every name is importable from this module (the notebook's
 `from experiments import capacity`).
 """
 
@@ -48,9 +48,9 @@ from collections.abc import Sequence
 from absl import app, flags
 
 from engine.config import EngineConfig
-from experiments.capacity_devices import DEVICES, GB, DeviceSpec, device_from_probe, device_spec
-from experiments.capacity_report import CapacityReport, DecodePoint, format_report, plot
-from experiments.device_probe import Probe, measure_device
+from experiments.lab.capacity_devices import DEVICES, GB, DeviceSpec, device_from_probe, device_spec
+from experiments.lab.capacity_report import CapacityReport, DecodePoint, format_report, plot
+from experiments.lab.device_probe import Probe, measure_device
 from models.config import ModelConfig, preset_config
 
 # The engine's own defaults for the cache (block size, memory fraction, the CPU byte budget).
@@ -80,13 +80,12 @@ def model_config_for(model: str) -> ModelConfig:
         cfg.pop("rope_scaling", None)  # the shape does not depend on it
         return ModelConfig(**cfg)
     if os.path.isdir(path):
-        return ModelConfig.from_hf_folder(path)
-    from models.gguf_loader import gguf_metadata, open_gguf
+        from models.hf_config import read_hf_config
 
-    reader = open_gguf(path)
-    meta = gguf_metadata(reader)
-    return ModelConfig.from_gguf_metadata(meta, name=str(meta.get("general.name") or model),
-                                          tensor_names={t.name for t in reader.tensors})
+        return read_hf_config(path)
+    from models.gguf_loader import gguf_config, open_gguf
+
+    return gguf_config(path, open_gguf(path))
 
 
 def matmul_params(config: ModelConfig) -> int:
@@ -211,7 +210,7 @@ def capacity(model: str | ModelConfig, device: str | DeviceSpec = "h200", *, dty
 
 
 def measured_from_sweep(sweep: dict) -> dict:
-    """The numbers of a concurrency sweep (experiments.sweep's JSON) that the calculator predicts:
+    """The numbers of a concurrency sweep (experiments.bench.sweep's JSON) that the calculator predicts:
     per point the output throughput and 1000 / TPOT p50 (one user's decode rate between tokens),
     the mean prompt and output tokens per request, and the knee."""
     if sweep.get("kind") != "concurrency":

@@ -12,7 +12,7 @@ import os
 import numpy as np
 from tqdm.auto import tqdm
 
-from models.config import ModelConfig
+from models.gguf_config import config_from_gguf
 from models.weights import layer_from_matrices, to_device, unpermute_rows
 
 # Tensor types we dequantize (all through gguf.quants, which is numpy-vectorized).
@@ -66,18 +66,26 @@ def _dequantize(path: str, tensor) -> np.ndarray:
     return arr.reshape(expected)
 
 
+def gguf_config(path: str, reader):
+    """The file's ModelConfig (metadata, plus the rope_freqs tensor where llama3 scaling is baked
+    in); errors name the file."""
+    tensors = {t.name: t for t in reader.tensors}
+    meta = gguf_metadata(reader)
+    name = str(meta.get("general.name") or os.path.basename(path))
+    rope_freqs = _dequantize(path, tensors["rope_freqs.weight"]) if "rope_freqs.weight" in tensors else None
+    try:
+        return config_from_gguf(meta, name=name, tensor_names=set(tensors), rope_freqs=rope_freqs)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
 def load_gguf(path: str | os.PathLike, *, dtype: str = "float32", progress: bool = True,
               host: bool = False):
     """Returns (ModelConfig, params, reader); params are on the default device in `dtype`."""
     path = os.fspath(path)
     reader = open_gguf(path)
     tensors = {t.name: t for t in reader.tensors}
-    meta = gguf_metadata(reader)
-    name = str(meta.get("general.name") or os.path.basename(path))
-    try:
-        config = ModelConfig.from_gguf_metadata(meta, name=name, tensor_names=set(tensors))
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
+    config = gguf_config(path, reader)
     permute = config.architecture == "llama"
 
     def get(tensor_name: str) -> np.ndarray:
@@ -104,6 +112,12 @@ def load_gguf(path: str | os.PathLike, *, dtype: str = "float32", progress: bool
     params = {"embed": get("token_embd.weight"), "final_norm": get("output_norm.weight")}
     if not config.tie_word_embeddings:
         params["lm_head"] = get("output.weight").T
+    used = {"token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight"}
+    used.update(f"blk.{i}.{suffix}" for i in range(config.num_layers) for suffix in _LAYER_TENSORS)
+    left = sorted(set(tensors) - used)
+    if left:
+        raise ValueError(f"{path}: tensor {left[0]} is not used by the {config.architecture} "
+                         f"metadata ({len(left)} unused tensor(s)); the metadata and the weights disagree")
     embed_shape = (config.vocab_size, config.hidden_size)
     if params["embed"].shape != embed_shape:
         raise ValueError(f"{path}: token_embd.weight has shape {params['embed'].shape}, expected {embed_shape}")

@@ -12,7 +12,7 @@ import os
 import numpy as np
 from tqdm.auto import tqdm
 
-from models.config import ModelConfig
+from models.hf_config import read_hf_config
 from models.weights import layer_from_matrices, to_device
 
 _LAYER_TENSORS = {
@@ -59,7 +59,7 @@ def load_hf_folder(folder: str | os.PathLike, *, dtype: str = "float32", progres
     folder = os.fspath(folder)
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"{folder}: no such model folder")
-    config = ModelConfig.from_hf_folder(folder)
+    config = read_hf_config(folder)
     locations = safetensors_files(folder)
     by_shard: dict[str, list[str]] = {}
     for name, path in locations.items():
@@ -86,14 +86,38 @@ def load_hf_folder(folder: str | os.PathLike, *, dtype: str = "float32", progres
             raise ValueError(f"{folder}: missing tensor {name}")
         return tensors[name]
 
+    used = {"model.embed_tokens.weight", "model.norm.weight"}
     layers = []
     for i in range(config.num_layers):
         prefix = f"model.layers.{i}."
         m = {ours: tensors[prefix + hf] for hf, ours in _LAYER_TENSORS.items() if prefix + hf in tensors}
+        if not config.attention_bias:
+            m = {k: v for k, v in m.items() if not k.endswith("_bias")}
+        used.update(prefix + hf for hf, ours in _LAYER_TENSORS.items() if ours in m)
         layers.append(to_device(layer_from_matrices(config, m, f"{folder}: layer {i}"), dtype, host=host))
     params = {"embed": get("model.embed_tokens.weight"), "final_norm": get("model.norm.weight")}
+    embed_shape = (config.vocab_size, config.hidden_size)
+    if params["embed"].shape != embed_shape:
+        raise ValueError(f"{folder}: model.embed_tokens.weight has shape {params['embed'].shape}, "
+                         f"expected {embed_shape} (vocab_size, hidden_size)")
     if not config.tie_word_embeddings:
+        if "lm_head.weight" not in tensors:
+            raise ValueError(f"{folder}: config.json says tie_word_embeddings=false but there is no "
+                             "lm_head.weight tensor")
         params["lm_head"] = get("lm_head.weight").T
+        used.add("lm_head.weight")
+    elif "lm_head.weight" in tensors:
+        # transformers ties the head to the embedding and ignores a saved copy: one that differs
+        # means the config and the tensors disagree about the model.
+        if not np.array_equal(tensors["lm_head.weight"], params["embed"]):
+            raise ValueError(f"{folder}: config.json says tie_word_embeddings=true but lm_head.weight "
+                             "differs from model.embed_tokens.weight")
+        used.add("lm_head.weight")
+    # Older checkpoints save RoPE's inverse frequencies; they are recomputed from the config.
+    left = sorted(n for n in tensors if n not in used and not n.endswith("rotary_emb.inv_freq"))
+    if left:
+        raise ValueError(f"{folder}: tensor {left[0]} is not used by the {config.architecture} "
+                         f"config ({len(left)} unused tensor(s)); the config and the weights disagree")
     params = to_device(params, dtype, host=host)
     params["layers"] = layers
     return config, params

@@ -12,8 +12,9 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from models.checkpoint import load_checkpoint, save_checkpoint
-from models.config import ModelConfig, preset_config
+from models.config import preset_config
 from models.gguf_loader import load_gguf
+from models.hf_config import config_from_hf
 from models.hf_loader import load_hf_folder
 from models.llama import forward_dense
 from models.loader import load_model
@@ -207,7 +208,7 @@ def test_unsupported_architecture_is_named(tmp_path, tiny_params):
     with pytest.raises(ValueError, match=r"arch\.gguf.*unsupported architecture 'gpt2'"):
         load_gguf(path, progress=False)
     with pytest.raises(ValueError, match="unsupported model_type 'bert'"):
-        ModelConfig.from_hf_config({"model_type": "bert"})
+        config_from_hf({"model_type": "bert"})
 
 
 def test_unsupported_tensor_type_is_named(tmp_path):
