@@ -4,7 +4,7 @@ peak FLOP/s and the fraction of HBM the runtime hands JAX.
 - `DEVICES`: spec-sheet figures for the accelerators (sources beside each entry) and this 2-core
   development machine's measured ones; `device_spec` looks one up, with overrides.
 - `device_from_probe`: a `DeviceSpec` of JAX's default device from `measure_device`'s figures
-  (experiments/device_probe.py), for a machine that is not in the table.
+  (experiments/lab/device_probe.py), for a machine that is not in the table.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from experiments.device_probe import Probe
+from experiments.lab.device_probe import Probe
 
 GB = 1e9
 
@@ -39,6 +39,8 @@ DEVICES: dict[str, DeviceSpec] = {
     "v5e": DeviceSpec("v5e", "tpu", 16 * GB, 819 * GB, 197e12, 1.0),
     # Google Cloud TPU v6e (Trillium) docs: 32 GB HBM at 1,638 GB/s, 918 TFLOP/s bf16 per chip.
     "v6e": DeviceSpec("v6e", "tpu", 32 * GB, 1638 * GB, 918e12, 1.0),
+    # Google Cloud TPU v5p docs: 95 GB HBM2e at 2,765 GB/s, 459 TFLOP/s bf16 per chip.
+    "v5p": DeviceSpec("v5p", "tpu", 95 * GB, 2765 * GB, 459e12, 1.0),
     # The 2-core development machine (AMD EPYC, KVM, 23 GB RAM), float32: the best of 5 runs of
     # measure_device() (BUILD_NOTES.md, "Capacity calculator against measurement"; the runs are
     # in experiments/results/capacity_vs_bench.json). Rerun with --measure on another machine.
