@@ -39,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from models.config import ModelConfig
 from models.served_layout import served_layer
+from pallas_kernels.kv_write import as_bits
 
 MODEL_AXIS = "model"
 
@@ -100,45 +101,49 @@ def param_specs(params: dict) -> dict:
     return {**top, "layers": {n: partition_spec(n, stacked=True) for n in layers}}
 
 
-def _pad(a: np.ndarray, axis: int, size: int) -> np.ndarray:
+def _pad(a: np.ndarray, axis: int, size: int, xp=np) -> np.ndarray:
     if a.shape[axis] == size:
         return a
     widths = [(0, 0)] * a.ndim
     widths[axis] = (0, size - a.shape[axis])
-    return np.pad(a, widths)
+    return xp.pad(a, widths)
 
 
-def _pad_heads(a: np.ndarray, axis: int, num_groups: int, group: int, padded_groups: int) -> np.ndarray:
+def _pad_heads(a: np.ndarray, axis: int, num_groups: int, group: int, padded_groups: int,
+               xp=np) -> np.ndarray:
     """Pads a head axis of num_groups * group heads to padded_groups * group (whole GQA groups)."""
     shape = a.shape
     grouped = a.reshape(*shape[:axis], num_groups, group, *shape[axis + 1 :])
-    grouped = _pad(grouped, axis, padded_groups)
+    grouped = _pad(grouped, axis, padded_groups, xp)
     return grouped.reshape(*shape[:axis], padded_groups * group, *shape[axis + 1 :])
 
 
-def _fuse_per_shard(*parts: np.ndarray, axis: int, tp: int) -> np.ndarray:
+def _fuse_per_shard(*parts: np.ndarray, axis: int, tp: int, xp=np) -> np.ndarray:
     """Arrays [.., n_i, ..] -> [.., tp * sum(n_i / tp), ..]: shard after shard, each shard's slice
     of every part in order (q, k, v heads; gate, up columns)."""
-    splits = zip(*(np.split(x, tp, axis=axis) for x in parts))
-    return np.concatenate([np.concatenate(p, axis=axis) for p in splits], axis=axis)
+    splits = zip(*(xp.split(x, tp, axis=axis) for x in parts))
+    return xp.concatenate([xp.concatenate(p, axis=axis) for p in splits], axis=axis)
 
 
-def shard_layer_host(layer: dict, config: ModelConfig, layout: TPLayout) -> dict:
-    """One loader-layout layer (numpy) -> the served, padded, per-shard fused layer (numpy)."""
+def shard_layer_host(layer: dict, config: ModelConfig, layout: TPLayout, xp=np) -> dict:
+    """One loader-layout layer (numpy) -> the served, padded, per-shard fused layer (numpy).
+    xp=jnp does the same with jax.numpy, so `jax.eval_shape` gives the shapes without memory."""
     kv, g, kp, tp = config.num_kv_heads, config.num_heads // config.num_kv_heads, layout.num_kv_heads, layout.tp
-    q = _pad_heads(layer["wq"], 1, kv, g, kp)
-    k = _pad_heads(layer["wk"], 1, kv, 1, kp)
-    v = _pad_heads(layer["wv"], 1, kv, 1, kp)
+    f = layout.intermediate_size
+    q = _pad_heads(layer["wq"], 1, kv, g, kp, xp)
+    k = _pad_heads(layer["wk"], 1, kv, 1, kp, xp)
+    v = _pad_heads(layer["wv"], 1, kv, 1, kp, xp)
     fused = {"attn_norm": layer["attn_norm"], "mlp_norm": layer["mlp_norm"],
-             "wqkv": _fuse_per_shard(q, k, v, axis=1, tp=tp),
-             "wo": _pad_heads(layer["wo"], 0, kv, g, kp),
-             "w_gate_up": _fuse_per_shard(_pad(layer["w_gate"], 1, layout.intermediate_size),
-                                          _pad(layer["w_up"], 1, layout.intermediate_size), axis=1, tp=tp),
-             "w_down": _pad(layer["w_down"], 0, layout.intermediate_size)}
+             "wqkv": _fuse_per_shard(q, k, v, axis=1, tp=tp, xp=xp),
+             "wo": _pad_heads(layer["wo"], 0, kv, g, kp, xp),
+             "w_gate_up": _fuse_per_shard(_pad(layer["w_gate"], 1, f, xp), _pad(layer["w_up"], 1, f, xp),
+                                          axis=1, tp=tp, xp=xp),
+             "w_down": _pad(layer["w_down"], 0, f, xp)}
     if "bq" in layer:
-        fused["bqkv"] = _fuse_per_shard(_pad_heads(layer["bq"], 0, kv, g, kp), _pad_heads(layer["bk"], 0, kv, 1, kp),
-                                        _pad_heads(layer["bv"], 0, kv, 1, kp), axis=0, tp=tp)
-    return served_layer(fused, xp=np)
+        fused["bqkv"] = _fuse_per_shard(_pad_heads(layer["bq"], 0, kv, g, kp, xp),
+                                        _pad_heads(layer["bk"], 0, kv, 1, kp, xp),
+                                        _pad_heads(layer["bv"], 0, kv, 1, kp, xp), axis=0, tp=tp, xp=xp)
+    return served_layer(fused, xp=xp)
 
 
 def to_host(a, dtype) -> np.ndarray:
@@ -148,22 +153,37 @@ def to_host(a, dtype) -> np.ndarray:
 
 
 def shard_params_host(params: dict, config: ModelConfig, layout: TPLayout, *, dtype: str,
-                      stack: bool) -> dict:
+                      stack: bool, xp=np) -> dict:
     """The whole served pytree on the host: padded, fused per shard, stacked (and as uint16 bits
-    when stacked and 16-bit, as models/llama.pack_layer_bits would), ready to place."""
-    host = lambda a: to_host(a, dtype)  # noqa: E731
-    layers = [shard_layer_host(jax.tree.map(host, layer), config, layout) for layer in params["layers"]]
-    out = {"embed": _pad(host(params["embed"]), 0, layout.vocab_size), "final_norm": host(params["final_norm"])}
+    when stacked and 16-bit, as models/llama.pack_layer_bits would), ready to place. xp=jnp
+    traces the same transform (`abstract_sharded_params`)."""
+    if xp is np:
+        host = lambda a: to_host(a, dtype)  # noqa: E731
+    else:
+        host = lambda a: a.astype(jnp.dtype(dtype))  # noqa: E731
+    layers = [shard_layer_host(jax.tree.map(host, layer), config, layout, xp) for layer in params["layers"]]
+    out = {"embed": _pad(host(params["embed"]), 0, layout.vocab_size, xp),
+           "final_norm": host(params["final_norm"])}
     if "lm_head" in params:
-        out["output_proj"] = np.ascontiguousarray(_pad(host(params["lm_head"]), 1, layout.vocab_size).T)
+        head = _pad(host(params["lm_head"]), 1, layout.vocab_size, xp).T
+        out["output_proj"] = np.ascontiguousarray(head) if xp is np else head
     if stack:
-        stacked = {name: np.stack([layer[name] for layer in layers]) for name in layers[0]}
+        stacked = {name: xp.stack([layer[name] for layer in layers]) for name in layers[0]}
         if jnp.dtype(dtype).itemsize == 2:
-            stacked = {name: w.view(np.uint16) for name, w in stacked.items()}
+            bits = (lambda w: w.view(np.uint16)) if xp is np else as_bits
+            stacked = {name: bits(w) for name, w in stacked.items()}
         out["layers"] = stacked
     else:
         out["layers"] = layers
     return out
+
+
+def abstract_sharded_params(config: ModelConfig, layout: TPLayout, *, dtype: str, stack: bool) -> dict:
+    """The ShapeDtypeStructs of `shard_params_host`'s result for `config` (no memory used)."""
+    from models.random_weights import random_params
+
+    return jax.eval_shape(lambda: shard_params_host(random_params(config, dtype=dtype), config,
+                                                    layout, dtype=dtype, stack=stack, xp=jnp))
 
 
 def place_params(host_params: dict, mesh) -> dict:

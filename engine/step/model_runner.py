@@ -37,12 +37,10 @@ from tqdm.auto import tqdm
 from engine.step.buckets import Bucket, RunnerShapes
 from engine.step.kv_cache import allocate_kv_cache
 from engine.step.placement import Placement
+from engine.step.program import lower_bucket, make_step, serve_layout
 from engine.step.request_table import RequestTable
-from engine.step.sampler import sample
 from engine.step.step_inputs import BatchBuilder, StepLayout
 from models.config import ModelConfig
-from models.llama import forward_paged
-from models.served_layout import fuse_projections, pack_layer_bits, stack_layers
 from scheduler import SchedulerOutput, StepResult, TokenLogprobs
 
 _compile_events = [0]
@@ -76,14 +74,9 @@ class ModelRunner:
             # Served layout (models/llama.py): q/k/v and gate/up fused into one product each;
             # stacked 16-bit layers as their bits.
             # (Host arrays, a LoadedModel shared with sharded engines, move to the device here.)
-            params = jax.tree.map(jnp.asarray, params)
-            stacked = stack_layers(params) if layer_loop == "stacked" else params
-            self.params = pack_layer_bits(fuse_projections(stacked))
+            self.params = serve_layout(jax.tree.map(jnp.asarray, params), layer_loop)
             self.kv_cache = allocate_kv_cache(model_config, shapes.num_blocks, shapes.block_size, dtype,
                                               bits=bits)
-            forward = functools.partial(_forward_plain, config=model_config, attention_backend=attention_backend,
-                                        interpret=interpret, scan_layers=layer_loop != "unrolled",
-                                        return_hidden=keep_hidden)
         else:
             if keep_hidden:
                 raise ValueError("ModelRunner(keep_hidden=True) runs on one device (no placement)")
@@ -92,17 +85,13 @@ class ModelRunner:
             self.params = params
             self.kv_cache = allocate_kv_cache(placement.layout.padded, shapes.num_blocks, shapes.block_size,
                                               dtype, bits=bits, sharding=placement.kv_sharding)
-            forward = placement.forward(attention_backend=attention_backend, interpret=interpret,
-                                        layer_loop=layer_loop)
         self.table = RequestTable(shapes.max_num_seqs, shapes.sample_vocab_size,
                                   sharding=None if placement is None else placement.replicated)
         self.builder = BatchBuilder(max_blocks_per_seq=shapes.max_blocks_per_seq,
                                     block_size=shapes.block_size, vocab_size=shapes.sample_vocab_size)
-        self._step = functools.partial(_step, forward=forward, num_logprobs=shapes.num_logprobs,
-                                       sample_vocab_size=shapes.sample_vocab_size,
-                                       num_speculative_tokens=shapes.logits_per_seq - 1,
-                                       hidden_rows=shapes.bucket_of(shapes.token_buckets[-1]).padded_logits
-                                       if keep_hidden else 0)
+        self._step = make_step(model_config, shapes, attention_backend=attention_backend,
+                               interpret=interpret, layer_loop=layer_loop, placement=placement,
+                               keep_hidden=keep_hidden)
         # keep_hidden (a draft head reads it, engine/spec_decode/draft_head.py): after each step,
         # `hidden` is the target's final hidden state at its logit rows (float32 [max L, e], on the
         # device, padded to the largest bucket's L so its shape never changes) and `hidden_rows`
@@ -114,7 +103,7 @@ class ModelRunner:
         self._idle_masks: dict[Bucket, jax.Array] = {}
         self.num_padded_tokens = 0  # padding tokens fed so far (for the padding share)
         self.num_real_tokens = 0
-        # A profiler (experiments/profile_step.py) sets this to get each step's phases timed;
+        # A profiler (experiments/bench/profile_step.py) sets this to get each step's phases timed;
         # then the host waits for the transfer and the compute separately (None: no waiting).
         self.profile = None
         self._compile_thread: threading.Thread | None = None
@@ -211,11 +200,7 @@ class ModelRunner:
         return self._compiled[bucket]
 
     def _lower(self, bucket: Bucket):
-        layout = self._layout(bucket)
-        step = jax.jit(functools.partial(self._step, layout=layout), donate_argnums=(1, 2))
-        flat = jax.ShapeDtypeStruct((layout.size,), np.int32, sharding=self._input_sharding)
-        mask = jax.ShapeDtypeStruct(layout.mask.shape, np.int32, sharding=self._input_sharding)
-        return step.lower(*self._abstract_state, flat, mask)
+        return lower_bucket(self._step, self.builder, bucket, self._abstract_state, self._input_sharding)
 
     @functools.cached_property
     def _abstract_state(self):
@@ -342,20 +327,3 @@ def _hidden_rows(out: SchedulerOutput, row_num_logits, result: StepResult) -> di
             rows[sr.req_id] = offset + n - 1 - rejected[sr.req_id]
         offset += n
     return rows
-
-
-def _forward_plain(params, kv_cache, inputs, *, config, **kwargs):
-    return forward_paged(params, config, kv_cache, inputs, **kwargs)
-
-
-def _step(params, kv_cache, table, flat, token_mask, *, layout: StepLayout, forward, num_logprobs,
-          sample_vocab_size, num_speculative_tokens, hidden_rows=0):
-    inputs = layout.unpack(flat, token_mask)
-    table = table.with_joins(inputs.join_slots, inputs.join_values())
-    kv_cache, logits, *hidden = forward(params, kv_cache, inputs)
-    # A checkpoint may pad its vocabulary past the tokenizer's: those ids are never sampled.
-    table, packed = sample(logits[:, :sample_vocab_size], inputs, table, num_logprobs=num_logprobs,
-                           num_speculative_tokens=num_speculative_tokens)
-    if hidden_rows:  # the final hidden state at the logit rows, padded to a fixed row count
-        return kv_cache, table, packed, jnp.pad(hidden[0], ((0, hidden_rows - hidden[0].shape[0]), (0, 0)))
-    return kv_cache, table, packed

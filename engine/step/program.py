@@ -1,0 +1,98 @@
+"""The compiled step as a program: what ModelRunner compiles, described without device arrays.
+
+ModelRunner holds live arrays (weights, KV cache, request table) and compiles a step per bucket
+against their shapes. The same description, with abstract state on other devices (compile-only
+TPU or GPU devices, experiments/aot.py), builds the programs a target would run, so what is
+compiled for a target is what the server compiles:
+
+1. `make_step`: the step function (the forward on one device or under shard_map on a mesh, then
+   the sampler), with every static choice the runner makes (backend, layer loop, logprobs,
+   drafts, hidden rows).
+2. `served_params_spec`: the served weights' shapes and dtypes (fused, stacked, 16-bit as bits on
+   a stacked loop; padded and fused per shard on a mesh), traced with `jax.eval_shape`, so
+   nothing the size of the model is allocated.
+3. `kv_cache_spec` (kv_cache.py) and `table_state_spec`: the cache's and the request table's.
+4. `lower_bucket`: one bucket's step lowered against that state, the cache and the table donated.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from engine.step.buckets import Bucket, RunnerShapes
+from engine.step.placement import Placement
+from engine.step.request_table import allocate_table_state
+from engine.step.sampler import sample
+from engine.step.step_inputs import BatchBuilder, StepLayout
+from models.config import ModelConfig
+from models.llama import forward_paged
+from models.random_weights import random_params
+from models.served_layout import fuse_projections, pack_layer_bits, stack_layers
+from models.sharding import abstract_sharded_params
+
+
+def serve_layout(params: dict, layer_loop: str) -> dict:
+    """Loader-layout params (on one device) -> what the single-device runner serves."""
+    stacked = stack_layers(params) if layer_loop == "stacked" else params
+    return pack_layer_bits(fuse_projections(stacked))
+
+
+def served_params_spec(config: ModelConfig, *, dtype: str, layer_loop: str,
+                       placement: Placement | None) -> dict:
+    """ShapeDtypeStructs (no sharding) of the weights the runner would serve for `config`."""
+    if placement is None:
+        return jax.eval_shape(lambda: serve_layout(random_params(config, dtype=dtype), layer_loop))
+    return abstract_sharded_params(config, placement.layout, dtype=dtype, stack=layer_loop == "stacked")
+
+
+def table_state_spec(shapes: RunnerShapes):
+    return jax.eval_shape(lambda: allocate_table_state(shapes.max_num_seqs, shapes.sample_vocab_size))
+
+
+def _forward_plain(params, kv_cache, inputs, *, config, **kwargs):
+    return forward_paged(params, config, kv_cache, inputs, **kwargs)
+
+
+def make_step(config: ModelConfig, shapes: RunnerShapes, *, attention_backend: str, interpret: bool,
+              layer_loop: str, placement: Placement | None, keep_hidden: bool):
+    """The step (params, kv_cache, table, flat, token_mask, *, layout) -> (kv_cache, table,
+    packed[, hidden]) for one model on one device (placement None) or a mesh."""
+    if placement is None:
+        forward = functools.partial(_forward_plain, config=config, attention_backend=attention_backend,
+                                    interpret=interpret, scan_layers=layer_loop != "unrolled",
+                                    return_hidden=keep_hidden)
+    else:
+        if keep_hidden:
+            raise ValueError("ModelRunner(keep_hidden=True) runs on one device (no placement)")
+        forward = placement.forward(attention_backend=attention_backend, interpret=interpret,
+                                    layer_loop=layer_loop)
+    hidden_rows = shapes.bucket_of(shapes.token_buckets[-1]).padded_logits if keep_hidden else 0
+    return functools.partial(_step, forward=forward, num_logprobs=shapes.num_logprobs,
+                             sample_vocab_size=shapes.sample_vocab_size,
+                             num_speculative_tokens=shapes.logits_per_seq - 1, hidden_rows=hidden_rows)
+
+
+def lower_bucket(step, builder: BatchBuilder, bucket: Bucket, abstract_state, input_sharding=None):
+    """The bucket's step lowered against (params, kv_cache, table) shapes; cache and table donated."""
+    layout = builder.layout(bucket.padded_tokens, bucket.padded_seqs, bucket.padded_logits)
+    jitted = jax.jit(functools.partial(step, layout=layout), donate_argnums=(1, 2))
+    flat = jax.ShapeDtypeStruct((layout.size,), np.int32, sharding=input_sharding)
+    mask = jax.ShapeDtypeStruct(layout.mask.shape, np.int32, sharding=input_sharding)
+    return jitted.lower(*abstract_state, flat, mask)
+
+
+def _step(params, kv_cache, table, flat, token_mask, *, layout: StepLayout, forward, num_logprobs,
+          sample_vocab_size, num_speculative_tokens, hidden_rows=0):
+    inputs = layout.unpack(flat, token_mask)
+    table = table.with_joins(inputs.join_slots, inputs.join_values())
+    kv_cache, logits, *hidden = forward(params, kv_cache, inputs)
+    # A checkpoint may pad its vocabulary past the tokenizer's: those ids are never sampled.
+    table, packed = sample(logits[:, :sample_vocab_size], inputs, table, num_logprobs=num_logprobs,
+                           num_speculative_tokens=num_speculative_tokens)
+    if hidden_rows:  # the final hidden state at the logit rows, padded to a fixed row count
+        return kv_cache, table, packed, jnp.pad(hidden[0], ((0, hidden_rows - hidden[0].shape[0]), (0, 0)))
+    return kv_cache, table, packed

@@ -1,0 +1,167 @@
+"""Check a deployment before you have the hardware: the engine's steps compiled for a TPU or GPU
+target from this CPU, with the memory they need and what the target's peaks make of them.
+
+    python -m experiments.aot --target=h200 --model=random:llama3-8b
+    python -m experiments.aot --target=v5e-8 --model=random:llama3-8b --tensor_parallel_size=8 \
+        --output_json=/tmp/v5e8.json
+    python -m experiments.aot --target=v6e-4 --model=path/to/hf_folder_with_config.json
+
+1. The model's shape comes from its config alone (`random:<preset>`, a Hugging Face folder
+   holding only config.json, a GGUF, a jaxserve checkpoint): no weights are read or allocated.
+2. The engine is configured from the same knobs the server takes (tensor parallelism, dtype,
+   buckets, the KV cache size or its memory fraction, the attention backend: by default the
+   target's Pallas kernel), and every bucket's step is compiled by the target's compiler for its
+   compile-only devices (experiments/lab/aot_build.py; the compilers come with `make aot-setup`).
+3. The report, per device: the bytes of the weights, the KV cache, the request table and the
+   compiler's temporaries (from `memory_analysis`), their total against the device's memory and
+   whether it fits, the largest KV cache that fits beside the rest, the compile seconds per
+   bucket, the collectives per layer in the compiled HLO, and where `cost_analysis` answers (TPU)
+   FLOPs and bytes per step with the roofline step time and decode tok/s per decode bucket;
+   experiments.capacity's prediction for the same model and target beside it, with the ratios.
+   A configuration that does not fit is a report that says so, not a crash.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from collections.abc import Sequence
+
+from absl import app, flags
+
+from engine.config import EngineConfig
+from engine.speculative_config import SpeculativeConfig
+from experiments import capacity as capacity_tool
+from experiments.lab.aot_build import Build, compile_for_target
+from experiments.lab.targets import TARGETS
+from models.config import ModelConfig
+
+GIB = 2**30
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+
+
+def report(build: Build, model: ModelConfig, config: EngineConfig) -> dict:
+    """The JSON report (keys `fits`, `hbm_bytes`, `per_device_bytes`, `max_kv_tokens`, `buckets`)."""
+    tp = build.tensor_parallel_size
+    predicted = None
+    if build.platform != "cpu":
+        device = TARGETS[build.target].device
+        cap = capacity_tool.capacity(model, device, dtype=build.dtype, tensor_parallel_size=tp,
+                                     max_model_len=build.max_model_len, output_len=1,
+                                     block_size=build.block_size,
+                                     kv_cache_memory_fraction=config.kv_cache_memory_fraction)
+        predicted = {
+            "weights_per_device": cap.weight_bytes / tp,
+            "kv_bytes_per_token_per_device": cap.kv_bytes_per_token / tp,
+            "num_blocks": cap.num_blocks,
+            "weights_ratio": build.weights_bytes / (cap.weight_bytes / tp),
+            "kv_bytes_per_token_ratio": (build.kv_bytes_per_block / build.block_size)
+            / (cap.kv_bytes_per_token / tp),
+        }
+    return {
+        "target": build.target, "platform": build.platform, "model": model.name,
+        "dtype": build.dtype, "attention_backend": build.attention_backend,
+        "layer_loop": build.layer_loop, "tensor_parallel_size": tp,
+        "data_parallel_size": config.data_parallel_size, "max_model_len": build.max_model_len,
+        "block_size": build.block_size, "num_blocks": build.num_blocks,
+        "kv_tokens": (build.num_blocks - 1) * build.block_size,
+        "hbm_bytes": build.hbm_bytes, "usable_bytes": build.usable_bytes, "fits": build.fits,
+        "per_device_bytes": {"weights": build.weights_bytes, "kv_cache": build.kv_cache_bytes,
+                             "request_table": build.table_bytes, "temp": build.temp_bytes,
+                             "total": build.total_bytes},
+        "max_kv_blocks": build.max_kv_blocks,
+        "max_kv_tokens": max(0, build.max_kv_blocks - 1) * build.block_size,
+        "buckets": [{f.name: getattr(b, f.name) for f in dataclasses.fields(b) if f.name != "executable"}
+                    for b in build.buckets],
+        "capacity_prediction": predicted,
+    }
+
+
+def format_report(r: dict) -> str:
+    d = r["per_device_bytes"]
+    lines = [
+        f"{r['model']} on {r['target']} ({r['platform']}, {r['dtype']}, {r['attention_backend']}, "
+        f"tensor parallel {r['tensor_parallel_size']}, layers {r['layer_loop']})",
+        f"  per device: weights {d['weights'] / GIB:.2f} GiB, KV cache {d['kv_cache'] / GIB:.2f} GiB "
+        f"({r['num_blocks']} blocks, {r['kv_tokens']} tokens), request table "
+        f"{d['request_table'] / GIB:.3f} GiB, temporaries {d['temp'] / GIB:.2f} GiB",
+        f"  total {d['total'] / GIB:.2f} GiB of {r['usable_bytes'] / GIB:.2f} GiB usable "
+        f"({r['hbm_bytes'] / GIB:.2f} GiB HBM): {'FITS' if r['fits'] else 'DOES NOT FIT'}",
+        f"  largest KV cache beside the rest: {r['max_kv_tokens']} tokens",
+        "  bucket      T     S  compile s   temp MiB   GFLOP/step  roofline ms   decode tok/s  "
+        "collectives/layer",
+    ]
+    for b in r["buckets"]:
+        coll = ", ".join(f"{k} {v:g}" for k, v in b["collectives_per_layer"].items() if v) or "-"
+        gflop = f"{b['flops'] / 1e9:11.1f}" if b["flops"] is not None else f"{'-':>11}"
+        roof = f"{b['roofline_step_s'] * 1e3:11.3f}" if b["roofline_step_s"] else f"{'-':>11}"
+        tok = f"{b['decode_tok_s']:13.0f}" if b["decode_tok_s"] else f"{'-':>13}"
+        lines.append(f"        {b['padded_tokens']:6d} {b['padded_seqs']:5d} {b['compile_s']:10.2f} "
+                     f"{b['temp_bytes'] / 2**20:10.1f} {gflop}  {roof}  {tok}  {coll}")
+    p = r["capacity_prediction"]
+    if p:
+        lines.append(f"  experiments.capacity: weights {p['weights_per_device'] / GIB:.2f} GiB per device "
+                     f"(compiled / predicted {p['weights_ratio']:.3f}), KV per token "
+                     f"{p['kv_bytes_per_token_per_device']:.0f} B (ratio {p['kv_bytes_per_token_ratio']:.3f}), "
+                     f"{p['num_blocks']} blocks predicted")
+    return "\n".join(lines)
+
+
+def define_flags() -> None:
+    flags.DEFINE_enum("target", "h200", [*TARGETS, "cpu"], "Deployment target (experiments/lab/targets.py).")
+    flags.DEFINE_string("model", "random:llama3-8b", "random:<preset>, a HF folder (config.json is "
+                        "enough), a GGUF or a jaxserve checkpoint.")
+    flags.DEFINE_integer("tensor_parallel_size", 1, "Devices one model is split over.")
+    flags.DEFINE_integer("data_parallel_size", 1, "Replicas (each compiles the same programs).")
+    flags.DEFINE_string("dtype", None, "Weights and KV dtype; default: the platform's.")
+    flags.DEFINE_integer("max_num_seqs", _DEFAULTS["max_num_seqs"], "Most requests per step.")
+    flags.DEFINE_integer("max_num_batched_tokens", _DEFAULTS["max_num_batched_tokens"], "Token budget per step.")
+    flags.DEFINE_integer("max_model_len", None, "Longest request; default: min(model context, 4096).")
+    flags.DEFINE_integer("block_size", _DEFAULTS["block_size"], "Tokens per KV block.")
+    flags.DEFINE_integer("num_kv_blocks", None, "Explicit KV cache size in blocks (with the null block).")
+    flags.DEFINE_float("kv_cache_memory_fraction", _DEFAULTS["kv_cache_memory_fraction"],
+                       "Of the memory the weights leave, for the KV cache.")
+    flags.DEFINE_list("token_buckets", None, "Padded token counts; default: derived.")
+    flags.DEFINE_list("seq_buckets", None, "Padded request counts; default: derived.")
+    flags.DEFINE_string("attention_backend", "auto", "auto (the target's Pallas kernel), xla, pallas.")
+    flags.DEFINE_string("speculative_config", None, "JSON, as the server takes it (ngram).")
+    flags.DEFINE_string("output_json", "", "Write the report here.")
+
+
+def engine_config_from_flags(f) -> EngineConfig:
+    try:
+        spec = SpeculativeConfig.from_value(json.loads(f.speculative_config)) if f.speculative_config else None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--speculative_config is not JSON ({e})") from None
+    ints = lambda xs: tuple(int(x) for x in xs) if xs else None  # noqa: E731
+    return EngineConfig(
+        model=f.model, dtype=f.dtype, tensor_parallel_size=f.tensor_parallel_size,
+        data_parallel_size=f.data_parallel_size, max_num_seqs=f.max_num_seqs,
+        max_num_batched_tokens=f.max_num_batched_tokens, max_model_len=f.max_model_len,
+        block_size=f.block_size, num_kv_blocks=f.num_kv_blocks,
+        kv_cache_memory_fraction=f.kv_cache_memory_fraction, token_buckets=ints(f.token_buckets),
+        seq_buckets=ints(f.seq_buckets), attention_backend=f.attention_backend,
+        speculative_config=spec)
+
+
+def main(argv: Sequence[str]) -> None:
+    del argv
+    f = flags.FLAGS
+    try:
+        config = engine_config_from_flags(f)
+        model = capacity_tool.model_config_for(f.model)
+        build = compile_for_target(config, model, f.target)
+    except ValueError as e:
+        sys.exit(f"experiments.aot: {e}")
+    r = report(build, model, config)
+    print(format_report(r))
+    if f.output_json:
+        with open(f.output_json, "w") as out:
+            json.dump(r, out, indent=1)
+        print(f"wrote {f.output_json}")
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main)

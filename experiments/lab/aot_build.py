@@ -1,0 +1,235 @@
+"""The engine's step programs built for a target by its own compiler, from abstract weights.
+
+`compile_for_target(engine_config, model_config, target)` follows what `build_parts` and
+ModelRunner do on that target (engine/core/builder.py, engine/step/program.py): the dtype, the
+attention backend and the layer loop the platform resolves to, the (1, tp) mesh of one replica
+with its shardings and head padding, the buckets, the KV cache sized as `num_blocks_for` sizes it
+(kv_cache_memory_fraction of what the weights leave), the donated cache and request table. The
+weights are ShapeDtypeStructs (`served_params_spec`): nothing the size of the model is allocated.
+Each bucket's step is lowered and compiled for the target's compile-only devices
+(experiments/lab/targets.py), and the compiled programs answer for memory (`memory_analysis`),
+cost (`cost_analysis`, where the backend gives it) and collectives (the optimized HLO).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, SingleDeviceSharding
+
+from engine.config import EngineConfig, resolve_dtype, resolve_layer_loop
+from engine.step.buckets import RunnerShapes, resolve_seq_buckets, resolve_token_buckets
+from engine.step.kv_cache import bytes_per_block
+from engine.step.mesh import replica_meshes
+from engine.step.placement import Placement
+from engine.step.program import lower_bucket, make_step, served_params_spec, table_state_spec
+from engine.step.step_inputs import BatchBuilder
+from experiments.lab.targets import compile_only_devices, target
+from models.config import ModelConfig
+from models.sharding import KV_CACHE_SPEC, param_specs
+from pallas_kernels import resolve_backend
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+@dataclasses.dataclass
+class BucketResult:
+    padded_tokens: int
+    padded_seqs: int
+    padded_logits: int
+    compile_s: float
+    temp_bytes: int  # per device, the compiler's temporaries
+    code_bytes: int
+    flops: float | None  # per device, from cost_analysis (None where the backend gives none)
+    bytes_accessed: float | None
+    roofline_step_s: float | None  # max(flops / peak, bytes / bandwidth) at the target's peaks
+    decode_tok_s: float | None  # padded_seqs / roofline step, for a pure decode bucket (T == S)
+    collectives_per_layer: dict
+    collectives_outside_layers: dict
+    executable: object = dataclasses.field(default=None, repr=False)
+
+
+@dataclasses.dataclass
+class Build:
+    target: str
+    platform: str
+    dtype: str
+    attention_backend: str
+    layer_loop: str
+    tensor_parallel_size: int
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    hbm_bytes: int  # per device
+    usable_bytes: int  # what the runtime hands out (GPU: its preallocation fraction)
+    weights_bytes: int  # per device
+    kv_cache_bytes: int  # per device
+    table_bytes: int  # per device (the request table: sampling state, output counts)
+    kv_bytes_per_block: int  # per device
+    buckets: list[BucketResult]
+
+    @property
+    def temp_bytes(self) -> int:
+        return max((b.temp_bytes for b in self.buckets), default=0)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.kv_cache_bytes + self.table_bytes + self.temp_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.num_blocks >= 2 and self.total_bytes <= self.usable_bytes
+
+    @property
+    def max_kv_blocks(self) -> int:
+        """The largest cache (blocks, with the null block) that fits beside the rest."""
+        free = self.usable_bytes - self.weights_bytes - self.table_bytes - self.temp_bytes
+        return max(0, free // self.kv_bytes_per_block)
+
+
+def _nbytes(leaf) -> int:
+    shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+
+
+def tree_bytes_per_device(tree) -> int:
+    return sum(_nbytes(leaf) for leaf in jax.tree.leaves(tree))
+
+
+def _with_sharding(tree, shardings):
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+
+
+def count_collectives(hlo_text: str) -> tuple[dict, dict]:
+    """(ops inside while-loop bodies, ops elsewhere) per collective kind, from optimized HLO text.
+    Under a scan over layers the body is one layer; the rest is the embedding and the logits."""
+    bodies = set(re.findall(r"body=%?([\w.\-]+)", hlo_text))
+    inside = dict.fromkeys(COLLECTIVES, 0)
+    outside = dict.fromkeys(COLLECTIVES, 0)
+    current = None
+    for line in hlo_text.splitlines():
+        if line[:1] not in (" ", "") and line.rstrip().endswith("{"):  # a computation's header
+            current = line.removeprefix("ENTRY ").split()[0].lstrip("%")
+            continue
+        for op in COLLECTIVES:
+            if re.search(rf"\s{op}(-start)?\(", line):
+                (inside if current in bodies else outside)[op] += 1
+    return inside, outside
+
+
+def _devices_for(target_name: str, count: int) -> list:
+    if target_name == "cpu":
+        devices = jax.devices("cpu")
+    else:
+        devices = list(compile_only_devices(target_name))
+    if count > len(devices):
+        raise ValueError(f"target {target_name}: tensor_parallel_size x data_parallel_size needs "
+                         f"{count} devices, the target has {len(devices)}")
+    return devices[:count]
+
+
+def target_figures(target_name: str) -> tuple[str, int, int, float, float]:
+    """(platform, HBM bytes, usable bytes, peak FLOP/s, bandwidth) per device."""
+    if target_name == "cpu":
+        from experiments.lab.capacity_devices import device_spec
+
+        spec = device_spec("cpu")
+        return "cpu", int(spec.hbm_bytes), int(spec.hbm_bytes), spec.peak_flops, spec.bandwidth
+    t = target(target_name)
+    spec = t.spec
+    return t.kind, t.hbm_bytes, int(t.hbm_bytes * spec.memory_fraction), spec.peak_flops, spec.bandwidth
+
+
+def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: str, *,
+                       progress=print) -> Build:
+    """Every bucket's step compiled for `target_name` (see the module docstring)."""
+    platform, hbm, usable, peak, bandwidth = target_figures(target_name)
+    spec = config.speculative_config
+    if spec is not None and spec.method in ("draft_model", "draft_head"):
+        raise ValueError(f"speculative_config method {spec.method!r}: the draft's own programs are "
+                         "not built by the compile tool yet; ngram (drafts inside the step) is")
+    tp = config.tensor_parallel_size
+    devices = _devices_for(target_name, tp * config.data_parallel_size)
+    dtype = resolve_dtype(config, platform)
+    backend = resolve_backend(config.attention_backend, platform)
+    layer_loop = resolve_layer_loop(config, platform)
+    placement = Placement.for_mesh(replica_meshes(tp, 1, devices)[0], model) if tp > 1 else None
+    limit = model.max_position_embeddings
+    max_model_len = config.max_model_len or min(limit, 4096)
+    if max_model_len > limit:
+        raise ValueError(f"EngineConfig.max_model_len ({max_model_len}) exceeds the model's "
+                         f"context length ({limit})")
+    bs = config.block_size
+    max_blocks_per_seq = -(-max_model_len // bs)
+
+    params = served_params_spec(model, dtype=dtype, layer_loop=layer_loop, placement=placement)
+    if placement is None:
+        single = SingleDeviceSharding(devices[0])
+        params = _with_sharding(params, jax.tree.map(lambda _: single, params))
+        replicated = kv_sharding = single
+        kv_config = model
+    else:
+        specs = param_specs(params)
+        shardings = jax.tree.map(lambda s: NamedSharding(placement.mesh, s), specs,
+                                 is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+        params = _with_sharding(params, shardings)
+        replicated, kv_sharding = placement.replicated, NamedSharding(placement.mesh, KV_CACHE_SPEC)
+        kv_config = placement.layout.padded
+    weights = tree_bytes_per_device(params)
+    per_block = bytes_per_block(kv_config, bs, dtype) // tp
+    if config.num_kv_blocks is not None:
+        num_blocks = config.num_kv_blocks
+    else:  # engine/step/kv_cache.py num_blocks_for on an accelerator: a fraction of what is free
+        budget = int(max(0, usable - weights) * config.kv_cache_memory_fraction)
+        if platform == "cpu":
+            budget = config.kv_cache_bytes
+        num_blocks = max(2, min(budget // per_block, config.max_num_seqs * max_blocks_per_seq + 1))
+    shapes = RunnerShapes(
+        token_buckets=resolve_token_buckets(config), seq_buckets=resolve_seq_buckets(config),
+        max_blocks_per_seq=max_blocks_per_seq, num_blocks=num_blocks, block_size=bs,
+        num_logprobs=config.max_logprobs, sample_vocab_size=model.vocab_size,
+        logits_per_seq=1 + (spec.num_speculative_tokens if spec is not None else 0))
+    bits = backend == "xla" and np.dtype(jax.numpy.dtype(dtype)).itemsize == 2
+    kv_dtype = np.uint16 if bits else jax.numpy.dtype(dtype)
+    kv_shape = (kv_config.num_layers, num_blocks, bs, kv_config.num_kv_heads, kv_config.head_dim)
+    kv_leaf = jax.ShapeDtypeStruct(kv_shape, kv_dtype, sharding=kv_sharding)
+    table = table_state_spec(shapes)
+    table = _with_sharding(table, jax.tree.map(lambda _: replicated, table))
+    state = (params, (kv_leaf, kv_leaf), table)
+    step = make_step(model, shapes, attention_backend=backend, interpret=False,
+                     layer_loop=layer_loop, placement=placement, keep_hidden=False)
+    builder = BatchBuilder(max_blocks_per_seq=max_blocks_per_seq, block_size=bs,
+                           vocab_size=shapes.sample_vocab_size)
+    results = []
+    for bucket in shapes.buckets():
+        start = time.perf_counter()
+        compiled = lower_bucket(step, builder, bucket, state, replicated).compile()
+        seconds = time.perf_counter() - start
+        mem = compiled.memory_analysis()
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, list | tuple) and cost else cost
+        flops = float(cost["flops"]) if cost and "flops" in cost else None
+        accessed = float(cost["bytes accessed"]) if cost and "bytes accessed" in cost else None
+        roof = max(flops / peak, accessed / bandwidth) if flops is not None and accessed is not None else None
+        decode = bucket.padded_tokens == bucket.padded_seqs
+        inside, outside = count_collectives(compiled.as_text() or "")
+        if layer_loop == "unrolled":  # no loop body: the layers' collectives are all in the entry
+            inside = {k: v / model.num_layers for k, v in outside.items()}
+        results.append(BucketResult(
+            bucket.padded_tokens, bucket.padded_seqs, bucket.padded_logits, seconds,
+            int(mem.temp_size_in_bytes) if mem else 0, int(mem.generated_code_size_in_bytes) if mem else 0,
+            flops, accessed, roof, bucket.padded_seqs / roof if roof and decode else None,
+            inside, outside, compiled))
+        if progress:
+            progress(f"  bucket T={bucket.padded_tokens:5d} S={bucket.padded_seqs:4d}: "
+                     f"compiled in {seconds:6.2f} s, temp {results[-1].temp_bytes / 2**20:9.1f} MiB")
+    return Build(
+        target=target_name, platform=platform, dtype=dtype, attention_backend=backend,
+        layer_loop=layer_loop, tensor_parallel_size=tp, max_model_len=max_model_len, block_size=bs,
+        num_blocks=num_blocks, hbm_bytes=hbm, usable_bytes=usable, weights_bytes=weights,
+        kv_cache_bytes=2 * _nbytes(kv_leaf), table_bytes=tree_bytes_per_device(table),
+        kv_bytes_per_block=per_block, buckets=results)

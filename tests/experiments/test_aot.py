@@ -1,0 +1,116 @@
+"""experiments.aot: the engine's step programs compiled for a target from abstract weights.
+
+On the CPU target (every run): the programs are the ones the runner compiles (same buckets,
+the request table and cache donated), the bytes per device come from the abstract state, the
+collectives of tensor parallelism are read from the HLO, a configuration that does not fit says
+so. Under the `aot` marker (`make aot-test`, with the device compilers of `make aot-setup`): a
+small model's whole step compiled for a TPU topology at tensor parallel 2 and for a GPU target,
+and the JSON report's keys.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from engine.config import EngineConfig
+from experiments import aot
+from experiments.lab.aot_build import compile_for_target, count_collectives
+from models.config import preset_config
+
+TINY = preset_config("tiny")
+SMALL = dict(max_num_seqs=4, max_num_batched_tokens=8, token_buckets=(4, 8), seq_buckets=(4,),
+             max_model_len=128)
+
+
+@pytest.fixture(scope="module")
+def cpu_tp2():
+    config = EngineConfig(model="random:tiny", tensor_parallel_size=2, **SMALL)
+    return config, compile_for_target(config, TINY, "cpu", progress=None)
+
+
+def test_cpu_target_builds_every_bucket_with_the_engines_shapes(cpu_tp2):
+    config, build = cpu_tp2
+    assert [(b.padded_tokens, b.padded_seqs) for b in build.buckets] == [(4, 4), (8, 4)]
+    assert all(b.compile_s > 0 for b in build.buckets)
+    # The KV cache as the engine sizes it on the CPU: its byte budget, capped at what it can use.
+    assert build.num_blocks == 4 * (128 // 16) + 1
+    per_token = TINY.kv_bytes_per_token(4) // 2  # float32, split over 2 devices on KV heads
+    assert build.kv_bytes_per_block == per_token * 16
+    assert build.kv_cache_bytes == build.num_blocks * build.kv_bytes_per_block
+    assert build.weights_bytes > 0 and build.fits
+
+
+def test_tensor_parallel_collectives_are_the_megatron_pattern(cpu_tp2):
+    _, build = cpu_tp2
+    for bucket in build.buckets:  # two all-reduces a layer (after o_proj and down_proj)
+        assert bucket.collectives_per_layer["all-reduce"] == 2, bucket.collectives_per_layer
+
+
+def test_report_keys_and_the_capacity_figures(cpu_tp2):
+    config, build = cpu_tp2
+    r = aot.report(build, TINY, config)
+    assert r["fits"] is True and r["hbm_bytes"] > 0
+    assert set(r["per_device_bytes"]) >= {"weights", "kv_cache", "temp", "total"}
+    d = r["per_device_bytes"]
+    assert d["total"] == d["weights"] + d["kv_cache"] + d["request_table"] + d["temp"]
+    assert r["max_kv_tokens"] >= r["kv_tokens"]
+    assert [set(b) >= {"compile_s", "padded_tokens"} for b in r["buckets"]] == [True, True]
+    json.dumps(r)  # serializable
+    assert "FITS" in aot.format_report(r)
+
+
+def test_a_configuration_that_does_not_fit_is_a_report():
+    config = EngineConfig(model="random:tiny", num_kv_blocks=2**22, **SMALL)  # 32 GiB of KV
+    build = compile_for_target(config, TINY, "cpu", progress=None)
+    assert not build.fits and build.total_bytes > build.usable_bytes
+    assert "DOES NOT FIT" in aot.format_report(aot.report(build, TINY, config))
+
+
+def test_collective_counting_reads_loop_bodies():
+    hlo = "\n".join([
+        "%body.1 (p: (s32[], f32[4])) -> (s32[], f32[4]) {",
+        "  %a = f32[4]{0} all-reduce(%x), to_apply=%add",
+        "  %b = f32[4]{0} all-reduce-start(%y), to_apply=%add",
+        "}",
+        "ENTRY %main (x: f32[4]) -> f32[8] {",
+        "  %w = (s32[], f32[4]) while(%t), condition=%cond.1, body=%body.1",
+        "  %g = f32[8]{0} all-gather(%x), dimensions={0}",
+        "}",
+    ])
+    inside, outside = count_collectives(hlo)
+    assert inside["all-reduce"] == 2 and outside == {**outside, "all-gather": 1, "all-reduce": 0}
+
+
+def test_too_few_devices_is_named():
+    out = subprocess.run([sys.executable, "-m", "experiments.aot", "--target=cpu", "--model=random:tiny",
+                          "--tensor_parallel_size=64"], capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "needs 64 devices, the target has" in out.stderr
+
+
+# ---- the device compilers (make aot-setup; make aot-test) --------------------------------------
+
+@pytest.mark.aot
+def test_small_model_step_compiles_for_a_tpu_topology_at_tp2():
+    config = EngineConfig(model="random:tiny", tensor_parallel_size=2, **SMALL)
+    build = compile_for_target(config, TINY, "v5e-4", progress=None)
+    assert build.attention_backend == "pallas_tpu" and build.dtype == "bfloat16" and build.fits
+    for bucket in build.buckets:
+        assert bucket.collectives_per_layer["all-reduce"] == 2
+        assert bucket.flops and bucket.roofline_step_s  # XLA:TPU's cost analysis answers
+    r = aot.report(build, TINY, config)
+    assert abs(r["capacity_prediction"]["weights_ratio"] - 1) < 0.05
+
+
+@pytest.mark.aot
+def test_small_model_step_compiles_for_a_gpu_target(tmp_path):
+    path = tmp_path / "h100.json"
+    out = subprocess.run(
+        [sys.executable, "-m", "experiments.aot", "--target=h100", "--model=random:tiny-qwen2",
+         "--max_num_seqs=4", "--max_num_batched_tokens=8", "--token_buckets=4,8",
+         "--seq_buckets=4", f"--output_json={path}"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(path.read_text())
+    assert r["attention_backend"] == "pallas_gpu" and r["fits"] is True
+    assert r["hbm_bytes"] > 70 * 2**30 and [b["compile_s"] > 0 for b in r["buckets"]] == [True, True]
