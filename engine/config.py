@@ -47,6 +47,7 @@ class EngineConfig:
     seq_buckets: tuple[int, ...] | None = None  # padded request counts; None: derived
     compilation_cache_dir: str | None = DEFAULT_COMPILATION_CACHE  # None: off
     weights_cache_dir: str | None = None  # keep GGUF conversions here (orbax) for fast restarts
+    load_executables: str | None = None  # a folder written by experiments.aot --save_executables: its compiled steps are loaded instead of compiling (after its manifest is checked against this engine)
     max_logprobs: int = 20  # most top logprobs a request may ask for
     precompile: bool = True  # compile every bucket at start-up
     background_compile: bool = False  # with precompile: compile the smallest and largest buckets at start-up and the rest on a background thread (steps pad to a compiled bucket meanwhile); make serve turns it on

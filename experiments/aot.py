@@ -33,7 +33,7 @@ from absl import app, flags
 from engine.config import EngineConfig
 from engine.speculative_config import SpeculativeConfig
 from experiments import capacity as capacity_tool
-from experiments.lab.aot_build import Build, compile_for_target
+from experiments.lab.aot_build import Build, compile_for_target, save
 from experiments.lab.targets import TARGETS
 from models.config import ModelConfig
 
@@ -127,6 +127,8 @@ def define_flags() -> None:
     flags.DEFINE_string("attention_backend", "auto", "auto (the target's Pallas kernel), xla, pallas.")
     flags.DEFINE_string("speculative_config", None, "JSON, as the server takes it (ngram).")
     flags.DEFINE_string("output_json", "", "Write the report here.")
+    flags.DEFINE_string("save_executables", "", "Write every compiled step and a manifest here, "
+                        "for the server's --load_executables.")
 
 
 def engine_config_from_flags(f) -> EngineConfig:
@@ -156,6 +158,9 @@ def main(argv: Sequence[str]) -> None:
         sys.exit(f"experiments.aot: {e}")
     r = report(build, model, config)
     print(format_report(r))
+    if f.save_executables:
+        save(build, f.save_executables)
+        print(f"wrote {len(build.buckets)} executables and their manifest to {f.save_executables}")
     if f.output_json:
         with open(f.output_json, "w") as out:
             json.dump(r, out, indent=1)

@@ -109,6 +109,19 @@ PRESETS: dict[str, dict] = {
                         intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
                         head_dim=128, max_position_embeddings=131072, rope_theta=500000.0,
                         rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)),
+    "llama3-70b": dict(architecture="llama", vocab_size=128256, hidden_size=8192,
+                       intermediate_size=28672, num_layers=80, num_heads=64, num_kv_heads=8,
+                       head_dim=128, max_position_embeddings=8192, rope_theta=500000.0,
+                       tie_word_embeddings=False),
+    # Mistral-7B-v0.1's shape, with its 4,096-token sliding window.
+    "mistral-7b": dict(architecture="mistral", vocab_size=32000, hidden_size=4096,
+                       intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+                       head_dim=128, max_position_embeddings=32768, rope_theta=10000.0,
+                       sliding_window=4096),
+    "qwen2-7b": dict(architecture="qwen2", vocab_size=152064, hidden_size=3584,
+                     intermediate_size=18944, num_layers=28, num_heads=28, num_kv_heads=4,
+                     head_dim=128, max_position_embeddings=32768, rope_theta=1000000.0,
+                     attention_bias=True),
 }
 
 

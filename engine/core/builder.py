@@ -133,12 +133,21 @@ def build_parts(config: EngineConfig, *, progress: bool = True, mesh=None, loade
         from engine.spec_decode.draft_head import load_head
 
         head = load_head(spec.model)  # before compiling anything: a bad folder fails fast
+    executables = None
+    if config.load_executables:
+        from engine.step.executables import load_executables, manifest
+
+        devices = placement.devices if placement else jax.devices()[:1]
+        expected = manifest(platform=platform, device_kind=devices[0].device_kind, model=loaded.config,
+                            dtype=dtype, attention_backend=backend, layer_loop=layer_loop,
+                            tensor_parallel_size=config.tensor_parallel_size, shapes=shapes)
+        executables = load_executables(config.load_executables, expected, devices)
     start = time.perf_counter()
     runner = ModelRunner(loaded.config, params, shapes, dtype=dtype, attention_backend=backend,
                          interpret=config.interpret, layer_loop=layer_loop,
                          precompile=config.precompile,
                          background_compile=config.background_compile, progress=progress, placement=placement,
-                         keep_hidden=keep_hidden or head is not None)
+                         keep_hidden=keep_hidden or head is not None, executables=executables)
     proposer = None
     if spec is not None and spec.method == "draft_model":
         proposer = build_draft_proposer(config, shapes, loaded, dtype=dtype, backend=backend,

@@ -63,7 +63,8 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, params, shapes: RunnerShapes, *, dtype: str,
                  attention_backend: str, interpret: bool = False, layer_loop: str = "unrolled",
                  precompile: bool = True, progress: bool = True, placement: Placement | None = None,
-                 background_compile: bool = False, keep_hidden: bool = False):
+                 background_compile: bool = False, keep_hidden: bool = False,
+                 executables: dict | None = None):
         self.model_config = model_config
         self.layer_loop = layer_loop  # engine/config.py LAYER_LOOPS
         self.shapes = shapes
@@ -100,6 +101,8 @@ class ModelRunner:
         self.hidden: jax.Array | None = None
         self.hidden_rows: dict[str, int] = {}
         self._compiled: dict[Bucket, object] = {}
+        # Loaded instead of compiled (engine/step/executables.py, checked against a manifest).
+        self._loaded: dict[Bucket, object] = dict(executables or {})
         self._idle_masks: dict[Bucket, jax.Array] = {}
         self.num_padded_tokens = 0  # padding tokens fed so far (for the padding share)
         self.num_real_tokens = 0
@@ -138,7 +141,7 @@ class ModelRunner:
         bar = tqdm(total=len(todo), desc="compiling buckets", unit="bucket", disable=not progress,
                    leave=False)
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compile") as pool:
-            futures = {pool.submit(self._lower(bucket).compile): bucket for bucket in todo}
+            futures = {pool.submit(self._compile, bucket): bucket for bucket in todo}
             for future in concurrent.futures.as_completed(futures):
                 self._compiled[futures[future]] = future.result()
                 self._token_mask(futures[future], None)  # the bucket's resident idle mask
@@ -163,7 +166,7 @@ class ModelRunner:
                 if stop.is_set():  # the process is exiting (_finish_compiling)
                     return
                 try:
-                    executable = self._lower(bucket).compile()
+                    executable = self._compile(bucket)
                 except Exception:  # the bucket stays unused; larger ones keep serving its steps
                     logging.exception("jaxserve: compiling bucket %s in the background failed", bucket)
                     continue
@@ -195,9 +198,14 @@ class ModelRunner:
         if bucket not in self._compiled:
             if bucket not in self.shapes.buckets():
                 raise ValueError(f"shape {bucket} is not a declared bucket: {self.shapes.buckets()}")
-            self._compiled[bucket] = self._lower(bucket).compile()
+            self._compiled[bucket] = self._compile(bucket)
             self._token_mask(bucket, None)
         return self._compiled[bucket]
+
+    def _compile(self, bucket: Bucket):
+        if bucket in self._loaded:
+            return self._loaded.pop(bucket)
+        return self._lower(bucket).compile()
 
     def _lower(self, bucket: Bucket):
         return lower_bucket(self._step, self.builder, bucket, self._abstract_state, self._input_sharding)

@@ -22,7 +22,8 @@ import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from engine.config import EngineConfig, resolve_dtype, resolve_layer_loop
-from engine.step.buckets import RunnerShapes, resolve_seq_buckets, resolve_token_buckets
+from engine.step.buckets import Bucket, RunnerShapes, resolve_seq_buckets, resolve_token_buckets
+from engine.step.executables import manifest, save_executables
 from engine.step.kv_cache import bytes_per_block
 from engine.step.mesh import replica_meshes
 from engine.step.placement import Placement
@@ -71,6 +72,8 @@ class Build:
     table_bytes: int  # per device (the request table: sampling state, output counts)
     kv_bytes_per_block: int  # per device
     buckets: list[BucketResult]
+    shapes: RunnerShapes = None
+    manifest: dict = None  # engine/step/executables.py: what a loading server must match
 
     @property
     def temp_bytes(self) -> int:
@@ -227,9 +230,19 @@ def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: st
         if progress:
             progress(f"  bucket T={bucket.padded_tokens:5d} S={bucket.padded_seqs:4d}: "
                      f"compiled in {seconds:6.2f} s, temp {results[-1].temp_bytes / 2**20:9.1f} MiB")
+    meta = manifest(platform=platform, device_kind=devices[0].device_kind, model=model, dtype=dtype,
+                    attention_backend=backend, layer_loop=layer_loop, tensor_parallel_size=tp,
+                    shapes=shapes)
     return Build(
         target=target_name, platform=platform, dtype=dtype, attention_backend=backend,
         layer_loop=layer_loop, tensor_parallel_size=tp, max_model_len=max_model_len, block_size=bs,
         num_blocks=num_blocks, hbm_bytes=hbm, usable_bytes=usable, weights_bytes=weights,
         kv_cache_bytes=2 * _nbytes(kv_leaf), table_bytes=tree_bytes_per_device(table),
-        kv_bytes_per_block=per_block, buckets=results)
+        kv_bytes_per_block=per_block, buckets=results, shapes=shapes, manifest=meta)
+
+
+def save(build: Build, folder: str) -> None:
+    """The build's executables and manifest, for a server's --load_executables."""
+    compiled = {Bucket(b.padded_tokens, b.padded_seqs, b.padded_logits): b.executable
+                for b in build.buckets}
+    save_executables(folder, {**build.manifest, "target": build.target}, compiled)

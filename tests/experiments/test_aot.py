@@ -114,3 +114,52 @@ def test_small_model_step_compiles_for_a_gpu_target(tmp_path):
     r = json.loads(path.read_text())
     assert r["attention_backend"] == "pallas_gpu" and r["fits"] is True
     assert r["hbm_bytes"] > 70 * 2**30 and [b["compile_s"] > 0 for b in r["buckets"]] == [True, True]
+
+
+# ---- saved executables, loaded by another process -------------------------------------------
+
+_SERVE = ("import json, sys\n"
+          "from engine import LLM, SamplingParams\n"
+          "from engine.step.model_runner import num_backend_compilations\n"
+          "kw = dict(max_num_seqs=4, max_num_batched_tokens=8, token_buckets=(4, 8), seq_buckets=(4,),"
+          " max_model_len=128, precompile=True)\n"
+          "folder = sys.argv[1] or None\n"
+          "llm = LLM('random:tiny', load_executables=folder, **kw)\n"
+          "before = num_backend_compilations()\n"
+          "outs = llm.generate([[1, 2, 3], [7, 8, 9, 10, 11]], SamplingParams(temperature=0, max_tokens=6,"
+          " ignore_eos=True), use_tqdm=False)\n"
+          "print(json.dumps({'tokens': [o.outputs[0].token_ids for o in outs],"
+          " 'step_compiles': num_backend_compilations() - before}))\n")
+
+
+def _generate(folder: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", _SERVE, folder], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_saved_executables_load_in_another_process_with_equal_outputs(tmp_path):
+    folder = tmp_path / "exe"
+    saved = subprocess.run(
+        [sys.executable, "-m", "experiments.aot", "--target=cpu", "--model=random:tiny",
+         "--max_num_seqs=4", "--max_num_batched_tokens=8", "--token_buckets=4,8", "--seq_buckets=4",
+         "--max_model_len=128", f"--save_executables={folder}"], capture_output=True, text=True,
+        timeout=600)
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "manifest.json", "step_T4_S4_L4.pkl", "step_T8_S4_L4.pkl"]
+    loaded, compiled = _generate(str(folder)), _generate("")
+    assert loaded["tokens"] == compiled["tokens"]
+
+
+def test_a_manifest_that_differs_is_refused_by_field(tmp_path):
+    from engine.step.executables import MANIFEST, load_executables
+
+    folder = tmp_path / "exe"
+    folder.mkdir()
+    (folder / MANIFEST).write_text(json.dumps({"knobs": {"block_size": 32}}))
+    with pytest.raises(ValueError, match="built for knobs.block_size=32, this engine has knobs.block_size=16"):
+        load_executables(str(folder), {"knobs": {"block_size": 16}}, [])
+    with pytest.raises(FileNotFoundError, match="no manifest"):
+        load_executables(str(tmp_path), {}, [])
