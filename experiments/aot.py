@@ -59,6 +59,15 @@ def report(build: Build, model: ModelConfig, config: EngineConfig) -> dict:
             "kv_bytes_per_token_ratio": (build.kv_bytes_per_block / build.block_size)
             / (cap.kv_bytes_per_token / tp),
         }
+    buckets = [{f.name: getattr(b, f.name) for f in dataclasses.fields(b) if f.name != "executable"}
+               for b in build.buckets]
+    if build.platform != "cpu":  # the calculator's decode rate beside each decode bucket
+        itemsize = capacity_tool.DTYPE_BYTES[build.dtype]
+        for b in buckets:
+            if b["padded_tokens"] == b["padded_seqs"]:
+                point = capacity_tool.decode_step(model, cap.device, itemsize, b["padded_seqs"],
+                                                  build.max_model_len / 2, tp)
+                b["capacity_decode_tok_s"] = point.aggregate_tok_s
     return {
         "target": build.target, "platform": build.platform, "model": model.name,
         "dtype": build.dtype, "attention_backend": build.attention_backend,
@@ -72,8 +81,7 @@ def report(build: Build, model: ModelConfig, config: EngineConfig) -> dict:
                              "total": build.total_bytes},
         "max_kv_blocks": build.max_kv_blocks,
         "max_kv_tokens": max(0, build.max_kv_blocks - 1) * build.block_size,
-        "buckets": [{f.name: getattr(b, f.name) for f in dataclasses.fields(b) if f.name != "executable"}
-                    for b in build.buckets],
+        "buckets": buckets,
         "capacity_prediction": predicted,
     }
 
@@ -90,15 +98,17 @@ def format_report(r: dict) -> str:
         f"({r['hbm_bytes'] / GIB:.2f} GiB HBM): {'FITS' if r['fits'] else 'DOES NOT FIT'}",
         f"  largest KV cache beside the rest: {r['max_kv_tokens']} tokens",
         "  bucket      T     S  compile s   temp MiB   GFLOP/step  roofline ms   decode tok/s  "
-        "collectives/layer",
+        "capacity tok/s  collectives/layer",
+        f"  (capacity tok/s: experiments.capacity's decode rate at context {r['max_model_len'] // 2})",
     ]
     for b in r["buckets"]:
         coll = ", ".join(f"{k} {v:g}" for k, v in b["collectives_per_layer"].items() if v) or "-"
         gflop = f"{b['flops'] / 1e9:11.1f}" if b["flops"] is not None else f"{'-':>11}"
         roof = f"{b['roofline_step_s'] * 1e3:11.3f}" if b["roofline_step_s"] else f"{'-':>11}"
         tok = f"{b['decode_tok_s']:13.0f}" if b["decode_tok_s"] else f"{'-':>13}"
+        cap_tok = f"{b['capacity_decode_tok_s']:14.0f}" if b.get("capacity_decode_tok_s") else f"{'-':>14}"
         lines.append(f"        {b['padded_tokens']:6d} {b['padded_seqs']:5d} {b['compile_s']:10.2f} "
-                     f"{b['temp_bytes'] / 2**20:10.1f} {gflop}  {roof}  {tok}  {coll}")
+                     f"{b['temp_bytes'] / 2**20:10.1f} {gflop}  {roof}  {tok}  {cap_tok}  {coll}")
     p = r["capacity_prediction"]
     if p:
         lines.append(f"  experiments.capacity: weights {p['weights_per_device'] / GIB:.2f} GiB per device "
