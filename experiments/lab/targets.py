@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 from experiments.lab.capacity_devices import DeviceSpec, device_spec
 
@@ -128,6 +129,9 @@ def compile_only_devices(name: str) -> tuple:
     """The target's devices, compile-only (no hardware); ValueError naming the missing extra."""
     from jax.experimental import topologies
 
+    # libtpu takes a machine-wide lock file by default: compiling for a TPU target in two
+    # processes at once (pytest-xdist workers, two experiments.aot runs) would fail in the second.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     t = target(name)
     try:
         if t.kind == "tpu":
