@@ -83,6 +83,7 @@ def report(build: Build, model: ModelConfig, config: EngineConfig) -> dict:
         "max_kv_tokens": max(0, build.max_kv_blocks - 1) * build.block_size,
         "buckets": buckets,
         "capacity_prediction": predicted,
+        "kv_transfer_programs": build.transfers,
     }
 
 
@@ -109,6 +110,9 @@ def format_report(r: dict) -> str:
         cap_tok = f"{b['capacity_decode_tok_s']:14.0f}" if b.get("capacity_decode_tok_s") else f"{'-':>14}"
         lines.append(f"        {b['padded_tokens']:6d} {b['padded_seqs']:5d} {b['compile_s']:10.2f} "
                      f"{b['temp_bytes'] / 2**20:10.1f} {gflop}  {roof}  {tok}  {cap_tok}  {coll}")
+    if r["kv_transfer_programs"]:
+        lines.append("  disaggregation's KV programs (blocks: compile s): " + ", ".join(
+            f"{t['program']} {t['blocks']}: {t['compile_s']:.2f}" for t in r["kv_transfer_programs"]))
     p = r["capacity_prediction"]
     if p:
         lines.append(f"  experiments.capacity: weights {p['weights_per_device'] / GIB:.2f} GiB per device "
@@ -136,6 +140,8 @@ def define_flags() -> None:
     flags.DEFINE_list("seq_buckets", None, "Padded request counts; default: derived.")
     flags.DEFINE_string("attention_backend", "auto", "auto (the target's Pallas kernel), xla, pallas.")
     flags.DEFINE_string("speculative_config", None, "JSON, as the server takes it (ngram).")
+    flags.DEFINE_string("disaggregation", None, "As the server takes it, e.g. prefill:2,decode:2: "
+                        "also compiles the KV gather and scatter between the pools.")
     flags.DEFINE_string("output_json", "", "Write the report here.")
     flags.DEFINE_string("save_executables", "", "Write every compiled step and a manifest here, "
                         "for the server's --load_executables.")
@@ -154,7 +160,7 @@ def engine_config_from_flags(f) -> EngineConfig:
         block_size=f.block_size, num_kv_blocks=f.num_kv_blocks,
         kv_cache_memory_fraction=f.kv_cache_memory_fraction, token_buckets=ints(f.token_buckets),
         seq_buckets=ints(f.seq_buckets), attention_backend=f.attention_backend,
-        speculative_config=spec)
+        speculative_config=spec, disaggregation=f.disaggregation)
 
 
 def main(argv: Sequence[str]) -> None:

@@ -46,6 +46,16 @@ def block_buckets(max_blocks: int) -> tuple[int, ...]:
     return tuple(sorted({min(1 << i, max_blocks) for i in range(max_blocks.bit_length() + 1)}))
 
 
+def gather_blocks(k, v, ids):
+    """Blocks `ids` of every layer: k[:, ids], v[:, ids] (KVGather's program)."""
+    return k[:, ids], v[:, ids]
+
+
+def scatter_blocks(k, v, new_k, new_v, ids):
+    """new_k, new_v written at blocks `ids`; out-of-range ids are dropped (KVScatter's program)."""
+    return k.at[:, ids].set(new_k, mode="drop"), v.at[:, ids].set(new_v, mode="drop")
+
+
 def _replicated_like(array):
     sharding = array.sharding
     if isinstance(sharding, NamedSharding):
@@ -61,7 +71,7 @@ class KVGather:
         self.block_bytes = 2 * k.dtype.itemsize * k.size // k.shape[1]
         # Out in the cache's own sharding (split on KV heads under TP), as the decode cache is:
         # a pull from another process asks for exactly that layout, shard by shard.
-        self._gather = jax.jit(lambda k, v, ids: (k[:, ids], v[:, ids]), out_shardings=(k.sharding, k.sharding))
+        self._gather = jax.jit(gather_blocks, out_shardings=(k.sharding, k.sharding))
         for n in buckets:
             jax.block_until_ready(self.gather(np.zeros(n, np.int32)))
 
@@ -81,9 +91,8 @@ class KVScatter:
         k = runner.kv_cache[0]
         self.sharding, self._ids = k.sharding, _replicated_like(k)
         self.num_blocks, self.block_shape, self.dtype = k.shape[1], (k.shape[0], *k.shape[2:]), k.dtype
-        self._scatter = jax.jit(
-            lambda k, v, nk, nv, ids: (k.at[:, ids].set(nk, mode="drop"), v.at[:, ids].set(nv, mode="drop")),
-            donate_argnums=(0, 1), out_shardings=(self.sharding, self.sharding))
+        self._scatter = jax.jit(scatter_blocks, donate_argnums=(0, 1),
+                                out_shardings=(self.sharding, self.sharding))
         for n in buckets:  # all-padding writes change nothing
             zeros = jax.device_put(np.zeros(self.shape(n), self.dtype), self.sharding)
             self.write([], zeros, zeros)

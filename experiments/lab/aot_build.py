@@ -74,6 +74,7 @@ class Build:
     buckets: list[BucketResult]
     shapes: RunnerShapes = None
     manifest: dict = None  # engine/step/executables.py: what a loading server must match
+    transfers: list = dataclasses.field(default_factory=list)  # disaggregation's KV programs
 
     @property
     def temp_bytes(self) -> int:
@@ -155,7 +156,8 @@ def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: st
     if spec is not None and spec.method in ("draft_model", "draft_head"):
         raise ValueError(f"speculative_config method {spec.method!r}: the draft's own programs are "
                          "not built by the compile tool yet; ngram (drafts inside the step) is")
-    tp = config.tensor_parallel_size
+    # With disaggregation each pool is a (1, tp) mesh of its own devices, tp its device count.
+    tp = config.disaggregation.prefill if config.disaggregation else config.tensor_parallel_size
     devices = _devices_for(target_name, tp * config.data_parallel_size)
     dtype = resolve_dtype(config, platform)
     backend = resolve_backend(config.attention_backend, platform)
@@ -230,6 +232,7 @@ def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: st
         if progress:
             progress(f"  bucket T={bucket.padded_tokens:5d} S={bucket.padded_seqs:4d}: "
                      f"compiled in {seconds:6.2f} s, temp {results[-1].temp_bytes / 2**20:9.1f} MiB")
+    transfers = _transfer_programs(config, target_name, kv_leaf, max_blocks_per_seq) if config.disaggregation else []
     meta = manifest(platform=platform, device_kind=devices[0].device_kind, model=model, dtype=dtype,
                     attention_backend=backend, layer_loop=layer_loop, tensor_parallel_size=tp,
                     shapes=shapes)
@@ -238,7 +241,40 @@ def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: st
         layer_loop=layer_loop, tensor_parallel_size=tp, max_model_len=max_model_len, block_size=bs,
         num_blocks=num_blocks, hbm_bytes=hbm, usable_bytes=usable, weights_bytes=weights,
         kv_cache_bytes=2 * _nbytes(kv_leaf), table_bytes=tree_bytes_per_device(table),
-        kv_bytes_per_block=per_block, buckets=results, shapes=shapes, manifest=meta)
+        kv_bytes_per_block=per_block, buckets=results, shapes=shapes, manifest=meta,
+        transfers=transfers)
+
+
+def _transfer_programs(config: EngineConfig, target_name: str, kv_leaf, max_blocks_per_seq: int) -> list:
+    """Disaggregation's KV gather (on the prefill pool) and scatter (on the decode pool, the next
+    devices) for every block bucket, compiled like KVGather and KVScatter compile them."""
+    from engine.disaggregation.kv_transfer import block_buckets, gather_blocks, scatter_blocks
+
+    pd = config.disaggregation
+    if pd.decode_address is not None:
+        raise ValueError("--disaggregation with decode_address: the decode pool is another "
+                         "process; compile its programs there (this tool builds one process)")
+    more = _devices_for(target_name, pd.num_devices)
+    pools = []
+    for pool in (more[: pd.prefill], more[pd.prefill:]):
+        mesh = replica_meshes(len(pool), 1, pool)[0]
+        pools.append((NamedSharding(mesh, KV_CACHE_SPEC), NamedSharding(mesh, jax.sharding.PartitionSpec())))
+    out = []
+    for n in block_buckets(max_blocks_per_seq):
+        (src, src_ids), (dst, dst_ids) = pools
+        cache = lambda s: jax.ShapeDtypeStruct(kv_leaf.shape, kv_leaf.dtype, sharding=s)  # noqa: E731
+        blocks = (kv_leaf.shape[0], n, *kv_leaf.shape[2:])
+        moved = jax.ShapeDtypeStruct(blocks, kv_leaf.dtype, sharding=dst)
+        for name, jitted, args in (
+            ("gather", jax.jit(gather_blocks, out_shardings=(src, src)),
+             (cache(src), cache(src), jax.ShapeDtypeStruct((n,), np.int32, sharding=src_ids))),
+            ("scatter", jax.jit(scatter_blocks, donate_argnums=(0, 1), out_shardings=(dst, dst)),
+             (cache(dst), cache(dst), moved, moved, jax.ShapeDtypeStruct((n,), np.int32, sharding=dst_ids))),
+        ):
+            start = time.perf_counter()
+            jitted.lower(*args).compile()
+            out.append({"program": name, "blocks": n, "compile_s": time.perf_counter() - start})
+    return out
 
 
 def save(build: Build, folder: str) -> None:

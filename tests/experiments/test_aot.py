@@ -68,6 +68,15 @@ def test_a_configuration_that_does_not_fit_is_a_report():
     assert "DOES NOT FIT" in aot.format_report(aot.report(build, TINY, config))
 
 
+def test_disaggregation_compiles_the_kv_gather_and_scatter():
+    config = EngineConfig(model="random:tiny", disaggregation="prefill:1,decode:1", **SMALL)
+    build = compile_for_target(config, TINY, "cpu", progress=None)
+    programs = [(t["program"], t["blocks"]) for t in build.transfers]
+    # Block buckets up to the longest request's 8 blocks, each gathered and scattered.
+    assert programs == [(p, n) for n in (1, 2, 4, 8) for p in ("gather", "scatter")]
+    assert "gather 8" in aot.format_report(aot.report(build, TINY, config))
+
+
 def test_collective_counting_reads_loop_bodies():
     hlo = "\n".join([
         "%body.1 (p: (s32[], f32[4])) -> (s32[], f32[4]) {",
