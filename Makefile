@@ -62,7 +62,7 @@ serve-draft-head: $(DRAFT_HEAD)/draft_head.json
 
 # A quick concurrency sweep of the server on the default model (a few minutes on a 2-core CPU).
 bench: setup
-	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m experiments.sweep \
+	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m experiments.bench.sweep \
 	  --server_cmd="$(PY) -m entrypoints.openai.serve --model=default --port=8123 --max_num_seqs=64" \
 	  --base_url=http://127.0.0.1:8123 --tag=bench \
 	  --dataset=sharegpt --max_prompt_len=256 --max_output_len=64 \

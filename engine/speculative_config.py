@@ -24,8 +24,8 @@ class SpeculativeConfig:
     # of a head trained for the target (python -m experiments.train_draft)
     model: str | None = None
     # The load switch, per step: speculation is off while more than this many decode rows run
-    # (None: never by batch size) ... 2 from the CPU sweep (exp_speculative): always-on drafting
-    # lost to off from 4 rows on (rewrite/ngram 0.95x, ShareGPT 0.8x) and gained at 1-2.
+    # (None: never by batch size) ... 2 from the CPU sweep (experiments.ideas.speculative): always-on
+    # drafting lost to off from 4 rows on (rewrite/ngram 0.95x, ShareGPT 0.8x) and gained at 1-2.
     disable_by_batch_size: int | None = 2
     # ... or while decode rows with their drafts would take more than this share of the token
     # budget; it comes back on below `enable_hysteresis` times either threshold, so it does not flap.
@@ -34,8 +34,9 @@ class SpeculativeConfig:
     # The acceptance switch, per request: an EMA (weight acceptance_ema_alpha) of accepted/drafted
     # below min_acceptance_rate stops drafting for it; it is re-probed every probe_interval steps.
     # 0.35 is the break-even measured on the 2-core CPU in float32, where each draft token costs
-    # about a third of a one-token step (exp_speculative, BUILD_NOTES "Speculative decoding"); an
-    # accelerator, whose decode step is weight-read-bound, breaks even far lower (set ~0.1 there).
+    # about a third of a one-token step (experiments.ideas.speculative, BUILD_NOTES "Speculative
+    # decoding"); an accelerator, whose decode step is weight-read-bound, breaks even far lower (set
+    # ~0.1 there).
     min_acceptance_rate: float = 0.35
     acceptance_ema_alpha: float = 0.3
     probe_interval: int = 16

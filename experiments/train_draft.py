@@ -4,14 +4,14 @@
         --out=~/.cache/jaxserve/draft_heads/default
 
 1. Prompts: first human turns of ShareGPT (ASCII, `--min_chars`..`--max_chars`), chat template
-   applied, taken from record `--first_record` on: experiments/exp_speculative.py's ShareGPT
+   applied, taken from record `--first_record` on: experiments/ideas/speculative.py's ShareGPT
    workload uses the first qualifying records of the file, so the head never trains on them. The
    first `--num_prompts` are for training, the next `--num_eval_prompts` are held out.
-2. Collection: the target runs greedily (ignore_eos, `--output_len` tokens, as exp_speculative
-   does) in one engine without speculation whose runner keeps its final hidden states
-   (`build_parts(keep_hidden=True)`). After every step each sampling row's hidden state (the
-   position whose token it just sampled) is copied to the host, so output i of a request comes
-   with h_i, the hidden state that produced it: no extra forward pass.
+2. Collection: the target runs greedily (ignore_eos, `--output_len` tokens, as
+   experiments/ideas/speculative.py does) in one engine without speculation whose runner keeps its
+   final hidden states (`build_parts(keep_hidden=True)`). After every step each sampling row's
+   hidden state (the position whose token it just sampled) is copied to the host, so output i of a
+   request comes with h_i, the hidden state that produced it: no extra forward pass.
 3. Draft vocabulary (`--draft_vocab_size`): the ids most frequent in the training outputs (ties
    and the rest by prompt frequency, then by id). Targets outside it are left out of the loss.
 4. Training examples: every output position i with the chain of `--num_speculative_tokens`
@@ -75,7 +75,7 @@ class Collected:
 
 
 def sharegpt_prompts(tokenizer, n: int, first_record: int) -> list[list[int]]:
-    from experiments.datasets import iter_json_array, sharegpt_path
+    from experiments.lab.datasets import iter_json_array, sharegpt_path
 
     out = []
     for i, record in enumerate(iter_json_array(sharegpt_path())):

@@ -1,6 +1,6 @@
 """bfloat16 greedy against the float32 reference on the fixture prompts (the speed issue's point 2).
 
-    python -m experiments.bf16_agreement [--near_tie=0.5]
+    python -m experiments.bench.bf16_agreement [--near_tie=0.5]
 
 The reference is Hugging Face transformers' float32 greedy continuation of each fixture prompt
 (tests/fixtures/smollm2_reference.*, 16 tokens each). One dense bfloat16 forward of the served
@@ -20,7 +20,7 @@ from absl import app, flags
 
 _NEAR_TIE = flags.DEFINE_float("near_tie", 0.5, "A reference top-2 margin below this is a near-tie.")
 
-FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "tests" / "fixtures"
+FIXTURES = pathlib.Path(__file__).resolve().parents[2] / "tests" / "fixtures"
 PAD_TO = 128
 
 

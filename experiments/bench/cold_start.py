@@ -1,6 +1,6 @@
 """Cold start of the server: seconds from launch to a healthy /health, with empty caches.
 
-    python -m experiments.cold_start [--runs=1 --serve_flags="--max_num_seqs=32"]
+    python -m experiments.bench.cold_start [--runs=1 --serve_flags="--max_num_seqs=32"]
 
 Each run starts `python -m entrypoints.openai.serve --model=default --port=0` (the flags `make
 serve` passes, plus --serve_flags) with a fresh, empty compilation cache and weights cache (so

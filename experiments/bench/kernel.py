@@ -1,6 +1,6 @@
 """Paged attention (the `xla` path) against dense attention over a contiguous cache, on the CPU.
 
-    python -m experiments.bench_kernel [--context=1024 --decode_seqs=32 --repeats=30 ...]
+    python -m experiments.bench.kernel [--context=1024 --decode_seqs=32 --repeats=30 ...]
 
 Both sides compute the same attention for the same batch; only the KV memory layout differs:
   paged  pallas_kernels.prepare_attention_metadata + ragged_paged_attention(backend="xla"): flat

@@ -1,6 +1,6 @@
 """The layer loops side by side: compile time per bucket and decode step time.
 
-    python -m experiments.bench_layers [--model=random:smollm2-135m --dtypes=float32,bfloat16
+    python -m experiments.bench.layers [--model=random:smollm2-135m --dtypes=float32,bfloat16
                                         --loops=stacked,switch,unrolled --rows=1,8,32
                                         --context=128 --steps=15]
 
@@ -26,7 +26,7 @@ import time
 
 from absl import app, flags
 
-from experiments import report
+from experiments.lab import report
 
 _MODEL = flags.DEFINE_string("model", "random:smollm2-135m", "Model spec (same shapes as the default).")
 _DTYPES = flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "dtypes to measure.")
@@ -124,7 +124,7 @@ def main(argv):
                      f"{r['temp_mb_smallest_bucket']:.0f} / {r['kv_cache_mb']:.0f} |")
     table = "\n".join(lines)
     print(table)
-    out = pathlib.Path(__file__).resolve().parent / "results"
+    out = pathlib.Path(__file__).resolve().parents[1] / "results"
     report.write_json(out / f"{_NAME.value}.json", {
         "command": report.command_line(), "model": _MODEL.value, "context": _CONTEXT.value,
         "steps": _STEPS.value, "results": results})

@@ -1,6 +1,6 @@
 """Load time of the default model: dequantizing the GGUF against restoring the orbax conversion.
 
-    python -m experiments.bench_load --cache_dir=/tmp/jaxserve-convert
+    python -m experiments.bench.load --cache_dir=/tmp/jaxserve-convert
 
 The first load dequantizes the GGUF and saves the converted parameters with orbax into cache_dir;
 the second restores them. Median of --repeats loads each.

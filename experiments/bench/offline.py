@@ -1,7 +1,7 @@
 """Offline throughput, two workloads, measured in one run.
 
-    python -m experiments.bench_offline --num_prompts=200 --num_sequential=24
-    python -m experiments.bench_offline --dataset=fixed --num_requests=1,8,32 --output_len=128 \\
+    python -m experiments.bench.offline --num_prompts=200 --num_sequential=24
+    python -m experiments.bench.offline --dataset=fixed --num_requests=1,8,32 --output_len=128 \\
         --dtypes=float32,bfloat16 [--profile]
 
 `--dataset=sharegpt` (the default): the engine with continuous batching against the same engine
@@ -21,7 +21,7 @@ one request at a time, on ShareGPT prompts and output lengths.
 for every N and dtype the median output tokens/s of `--repeats` runs. The engines of all dtypes
 are built first and the runs interleave (N, repeat, dtype), so the dtypes share the machine's
 conditions. `--prompt_len=P` (> 0) cuts or repeats each prompt's ids to exactly P tokens.
-`--profile` adds the per-bucket step profile (experiments/step_profiler.py) of one more run per N.
+`--profile` adds the per-bucket step profile (experiments/lab/step_profiler.py) of one more run per N.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def run_generate(llm, prompts, output_len: int) -> dict:
 
 
 def main_fixed() -> dict:
-    from experiments.step_profiler import StepProfiler
+    from experiments.lab.step_profiler import StepProfiler
 
     counts = [int(n) for n in _NUM_REQUESTS.value]
     dtypes = _DTYPES.value or [None]
@@ -120,7 +120,7 @@ def main_fixed() -> dict:
                 runs[d, n].append(r["output_tokens_per_s"])
         print(f"N={n}: " + ", ".join(f"{d} {statistics.median(runs[d, n]):.1f} tok/s "
                                      f"({', '.join(f'{x:.1f}' for x in runs[d, n])})" for d in llms), flush=True)
-    result = {"command": "python -m experiments.bench_offline " + _flags_line(
+    result = {"command": "python -m experiments.bench.offline " + _flags_line(
         "dataset", "num_requests", "prompt_len", "output_len", "repeats", "dtypes", "max_num_seqs",
         "max_num_batched_tokens", "token_buckets", "seq_buckets"),
         "platform": _platform(), "model": next(iter(llms.values())).engine.model_name,
@@ -165,8 +165,8 @@ def run_arm(engine, samples, params_for) -> dict:
 
 def main_sharegpt() -> dict:
     from engine import SamplingParams
-    from experiments.datasets import DatasetOptions, build_samples
-    from experiments.step_profiler import StepProfiler
+    from experiments.lab.datasets import DatasetOptions, build_samples
+    from experiments.lab.step_profiler import StepProfiler
 
     t0 = time.perf_counter()
     engine = build_llm((_DTYPES.value or [None])[0]).engine
@@ -190,7 +190,7 @@ def main_sharegpt() -> dict:
     sequential = run_arm(engine, samples[: _NUM_SEQUENTIAL.value], params_for)
     engine.reconfigure_scheduler(max_num_seqs=_MAX_NUM_SEQS.value)
     result = {
-        "command": "python -m experiments.bench_offline " + _flags_line(
+        "command": "python -m experiments.bench.offline " + _flags_line(
             "num_prompts", "num_sequential", "max_prompt_len", "max_output_len", "max_num_seqs",
             "max_num_batched_tokens"),
         "model": engine.model_name, "dtype": engine.dtype, "platform": _platform(),

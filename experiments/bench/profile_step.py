@@ -1,19 +1,19 @@
 """Profiles the fixed workload's steps: per bucket, where a step's wall time goes.
 
-    python -m experiments.profile_step [--dtypes=float32,bfloat16 --num_requests=1,32 --output_len=128]
+    python -m experiments.bench.profile_step [--dtypes=float32,bfloat16 --num_requests=1,32 --output_len=128]
 
-The flags are experiments.bench_offline's (the fixed workload: 4 short chat prompts cycled to N
+The flags are experiments.bench.offline's (the fixed workload: 4 short chat prompts cycled to N
 requests, greedy, ignore_eos, all submitted at once to LLM.generate); one profiled run per dtype
-and N after a warm-up. The phases and the host share are experiments/step_profiler.py's.
-`python -m experiments.bench_offline --dataset=fixed --profile` prints the same after its timed runs.
+and N after a warm-up. The phases and the host share are experiments/lab/step_profiler.py's.
+`python -m experiments.bench.offline --dataset=fixed --profile` prints the same after its timed runs.
 """
 
 from __future__ import annotations
 
 from absl import app
 
-from experiments import bench_offline
-from experiments.step_profiler import StepProfiler
+from experiments.bench import offline as bench_offline
+from experiments.lab.step_profiler import StepProfiler
 
 
 def main(argv) -> None:

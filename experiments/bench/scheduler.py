@@ -1,6 +1,6 @@
 """Time of Scheduler.schedule() + update() per step with N running requests (pure Python, CPU).
 
-    python -m experiments.bench_scheduler [--num_running=256,1024 --num_steps=1000 ...]
+    python -m experiments.bench.scheduler [--num_running=256,1024 --num_steps=1000 ...]
 
 For each N: N requests with prompts uniform in [prompt_len / 2, prompt_len] are added and
 prefilled (untimed), then `num_steps` steady-state steps are timed, each a schedule() and an

@@ -1,15 +1,15 @@
 """Load-test an OpenAI-compatible streaming endpoint (ours or another engine's) and report.
 
-    python -m experiments.bench_serving --base_url=http://127.0.0.1:8000 --dataset=sharegpt \
+    python -m experiments.bench.serving --base_url=http://127.0.0.1:8000 --dataset=sharegpt \
         --num_prompts=200 --request_rate=4 --goodput="ttft:1000 itl_p95:50" \
         --result_json=experiments/results/bench.json
 
-1. Build the workload (`experiments.datasets`): prompts are tokenized with the default model's
+1. Build the workload (`experiments.lab.datasets`): prompts are tokenized with the default model's
    tokenizer (or `--tokenizer`), whatever the server, so two engines get identical requests.
-2. Send it (`experiments.load_client`): `--request_rate` with `--burstiness`, or
+2. Send it (`experiments.lab.load_client`): `--request_rate` with `--burstiness`, or
    `--max_concurrency`, or both; `--num_prompts` requests or `--duration_s` seconds; trace
    datasets keep their own arrival times unless `--notrace_arrivals`.
-3. Compute the metrics (`experiments.metrics`, definitions there), print a table in the layout of
+3. Compute the metrics (`experiments.lab.metrics`, definitions there), print a table in the layout of
    `vllm bench serve`, and write the result (config, metrics, per-request summary) as JSON.
 """
 
@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 
 from absl import app, flags
 
-from experiments import datasets, load_client, metrics
+from experiments.lab import datasets, load_client, metrics
 
 _BASE_URL = flags.DEFINE_string("base_url", "http://127.0.0.1:8000", "Server root URL.")
 _ENDPOINT = flags.DEFINE_enum("endpoint", "completions", ["completions", "chat"], "API to call.")

@@ -1,7 +1,7 @@
 """Soak test: N requests from C concurrent clients against a server this starts, with random client
 disconnects and bad requests mixed in; then checks the server is exactly as it was.
 
-    python -m experiments.soak --num_requests=1000 --concurrency=32 --abort_fraction=0.3
+    python -m experiments.bench.soak --num_requests=1000 --concurrency=32 --abort_fraction=0.3
 
 1. Starts `python -m entrypoints.openai.serve` (random:tiny by default) with a small KV cache
    (--num_kv_blocks), so running requests are preempted, and waits for it to listen.

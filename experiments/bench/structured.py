@@ -1,7 +1,7 @@
 """The cost of structured output: throughput of a batch where half the requests are constrained by
 a JSON schema against the same batch unconstrained, and the host time spent filling token masks.
 
-    python -m experiments.bench_structured                # 32 requests, 16 constrained, default model
+    python -m experiments.bench.structured                # 32 requests, 16 constrained, default model
 
 Both arms run the same prompts, temperature 1, ignore_eos and the same max_tokens; the schema (an
 object holding an array of at least 64 integers) keeps every constrained request generating to
@@ -79,7 +79,7 @@ def main(argv) -> None:
     ratio = summary["constrained"]["tokens_per_s"] / summary["unconstrained"]["tokens_per_s"]
     layout = next(iter(llm.engine.runner.builder._layouts.values()))
     result = {
-        "command": "python -m experiments.bench_structured " + " ".join(
+        "command": "python -m experiments.bench.structured " + " ".join(
             f"--{k}={v}" for k, v in (("num_requests", n), ("max_tokens", _MAX_TOKENS.value),
                                       ("repeats", _REPEATS.value))),
         "num_requests": n, "num_constrained": num_constrained, "max_tokens": _MAX_TOKENS.value,

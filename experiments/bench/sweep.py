@@ -1,10 +1,10 @@
 """Concurrency (or rate) sweep: throughput and tail latency against load, the knee, the capacity.
 
-    python -m experiments.sweep --base_url=http://127.0.0.1:8000 --dataset=random \
+    python -m experiments.bench.sweep --base_url=http://127.0.0.1:8000 --dataset=random \
         --max_concurrency_limit=32 --goodput="ttft:2000 itl_p95:200" --slo_itl_p95_ms=200
 
 1. Optionally start the server (`--server_cmd`) and wait until `/v1/models` answers.
-2. Build one workload (all `bench_serving` flags apply) and, for each concurrency 1, 2, 4, ...
+2. Build one workload (all `serving.py` flags apply) and, for each concurrency 1, 2, 4, ...
    up to `--max_concurrency_limit` (or `--concurrencies`, or each of `--rates` for a rate sweep),
    send its first max(`--num_prompts`, `--prompts_per_concurrency` * c) requests, so every point
    sees the same prompts.
@@ -39,7 +39,8 @@ from collections.abc import Sequence
 
 from absl import app, flags
 
-from experiments import bench_serving, datasets, load_client, metrics
+from experiments.bench import serving as bench_serving
+from experiments.lab import datasets, load_client, metrics
 
 KNEE_MIN_DISTANCE = 0.05
 

@@ -4,7 +4,7 @@ sampling at a high temperature, so every logit matters). Too slow for the test s
 kernel in interpret mode); run it by hand after touching the shard_map wrapper or a kernel:
 
     XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu \\
-        python -m experiments.tp_pallas_check
+        python -m experiments.bench.tp_pallas_check
 """
 
 from __future__ import annotations

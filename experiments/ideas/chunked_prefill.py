@@ -1,7 +1,7 @@
 """Chunked prefill: a long prompt arrives while N users stream; their inter-token latency, with and
 without chunking, and the newcomer's TTFT.
 
-    python -m experiments.exp_chunked_prefill [--num_users=8 --long_prompt_len=4096]
+    python -m experiments.ideas.chunked_prefill [--num_users=8 --long_prompt_len=4096]
 
 1. Workload: `--num_users` requests with random `--user_prompt_len`-token prompts, all sent at
    t = 0, each generating `--user_output_len` tokens (greedy, ignore_eos). At `--long_arrival_s`,
@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 from absl import app, flags
 
-from experiments import datasets, engine_replay, metrics, report
+from experiments.lab import datasets, engine_replay, metrics, report
 
 _MODEL = flags.DEFINE_string("model", "default", "Model to serve.")
 _NUM_USERS = flags.DEFINE_integer("num_users", 8, "Requests streaming when the long prompt arrives.")

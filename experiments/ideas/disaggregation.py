@@ -1,6 +1,6 @@
 """Prefill/decode disaggregation: streaming users while long prompts keep arriving.
 
-    python -m experiments.exp_disaggregation [--num_users=4 --num_long=6 --long_rate=0.3]
+    python -m experiments.ideas.disaggregation [--num_users=4 --num_long=6 --long_rate=0.3]
 
 Workload: `--num_users` requests (random `--user_prompt_len`-token prompts, `--user_output_len`
 tokens each, greedy, ignore_eos) start at t = 0; `--num_long` prompts of `--long_prompt_min` ..
@@ -33,7 +33,7 @@ from collections.abc import Sequence  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from experiments import datasets, engine_replay, metrics, report  # noqa: E402
+from experiments.lab import datasets, engine_replay, metrics, report  # noqa: E402
 
 _MODEL = flags.DEFINE_string("model", "default", "Model to serve.")
 _NUM_USERS = flags.DEFINE_integer("num_users", 4, "Streaming users (start at t = 0).")

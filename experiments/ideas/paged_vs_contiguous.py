@@ -1,6 +1,6 @@
 """Paged against contiguous KV allocation: KV memory wasted and how many requests fit at once.
 
-    python -m experiments.exp_paged_vs_contiguous [--num_prompts=1000 --num_kv_blocks=2049]
+    python -m experiments.ideas.paged_vs_contiguous [--num_prompts=1000 --num_kv_blocks=2049]
 
 Scheduler-level: no model runs. The real `scheduler.Scheduler` plans every step and is fed a
 fake `StepResult` (a fixed non-EOS token for each request it samples), so the block tables are
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 from absl import app, flags
 
-from experiments import datasets, report
+from experiments.lab import datasets, report
 from scheduler import Request, Scheduler, SchedulerConfig, StepResult
 
 _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 1000, "ShareGPT requests.")

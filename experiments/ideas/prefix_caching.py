@@ -1,8 +1,8 @@
 """Prefix caching on shared system prompts: TTFT and prefill tokens computed, with and without.
 
-    python -m experiments.exp_prefix_caching [--num_prefixes=4 --questions_per_prefix=8]
+    python -m experiments.ideas.prefix_caching [--num_prefixes=4 --questions_per_prefix=8]
 
-1. Workload (`experiments.datasets` shared-prefix): `--num_prefixes` system prompts of
+1. Workload (`experiments.lab.datasets` shared-prefix): `--num_prefixes` system prompts of
    `--prefix_len` tokens, each followed by `--questions_per_prefix` questions of `--question_len`
    tokens, shuffled so prefixes interleave; `--output_len` tokens each (greedy, ignore_eos),
    sent as a Poisson process of `--request_rate` per second, a load the engine sustains without
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from absl import app, flags
 
-from experiments import datasets, engine_replay, metrics, report
+from experiments.lab import datasets, engine_replay, metrics, report
 
 _MODEL = flags.DEFINE_string("model", "default", "Model to serve.")
 _NUM_PREFIXES = flags.DEFINE_integer("num_prefixes", 4, "System prompts.")

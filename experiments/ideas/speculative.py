@@ -1,6 +1,6 @@
 """Speculative decoding across the load curve: off / always on / automatic, per concurrency.
 
-    python -m experiments.exp_speculative --workload=rewrite --concurrencies=1,4,16 \\
+    python -m experiments.ideas.speculative --workload=rewrite --concurrencies=1,4,16 \\
         --num_requests=8 --output_len=96
 
 1. One engine, compiled once for k drafts (`--num_speculative_tokens`, `--method`); the arms swap
@@ -32,8 +32,8 @@ import time
 import numpy as np
 from absl import app, flags
 
-from experiments import report
-from experiments.speculative_summary import ArmResult, median_of_rounds, plot, summarize
+from experiments.lab import report
+from experiments.lab.speculative_summary import ArmResult, median_of_rounds, plot, summarize
 
 _MODEL = flags.DEFINE_string("model", "default", "target model spec")
 _METHOD = flags.DEFINE_enum("method", "ngram", ["ngram", "draft_model", "draft_head"], "proposer")
@@ -65,7 +65,7 @@ REWRITE = ("Repeat the following passage exactly, word for word, and say nothing
 
 
 def _prompts(tokenizer, workload: str, n: int) -> list[list[int]]:
-    from experiments.datasets import iter_json_array, sharegpt_path
+    from experiments.lab.datasets import iter_json_array, sharegpt_path
 
     texts = []
     for record in iter_json_array(sharegpt_path()):

@@ -1,6 +1,6 @@
 """Static against continuous batching on the same ShareGPT mix, on one engine.
 
-    python -m experiments.exp_static_vs_continuous [--num_prompts=48 --out_dir=experiments/results]
+    python -m experiments.ideas.static_vs_continuous [--num_prompts=48 --out_dir=experiments/results]
 
 1. Workload: ShareGPT (first human turn, the gpt answer's token length as the output length,
    vLLM's filter: prompt <= `--max_prompt_len`, prompt + answer <= 2048). Both lengths are then
@@ -15,7 +15,7 @@
    against `policy="fcfs"` (continuous batching: a finished request's row is refilled next step).
    Buckets are fine-grained (4 .. 256 tokens, 4 / 8 / 16 rows), as the engine's defaults are, so a
    static batch that has drained to a few rows runs in a cheaper bucket on the CPU.
-3. Reported per arm, with `experiments.metrics`: request and output-token throughput, and the
+3. Reported per arm, with `experiments.lab.metrics`: request and output-token throughput, and the
    p50/p95 TTFT and end-to-end latency of the short requests (expected output <= the median) and
    of all requests. Goal: continuous >= 2x static's output throughput.
 """
@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 from absl import app, flags
 
-from experiments import datasets, engine_replay, metrics, report
+from experiments.lab import datasets, engine_replay, metrics, report
 
 _MODEL = flags.DEFINE_string("model", "default", "Model to serve.")
 _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 128, "ShareGPT requests.")

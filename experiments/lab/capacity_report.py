@@ -16,7 +16,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from experiments.capacity_devices import GB, DeviceSpec
+from experiments.lab.capacity_devices import GB, DeviceSpec
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Replay a workload against an in-process LLMEngine, measured as bench_serving measures a server.
+"""Replay a workload against an in-process LLMEngine, measured as bench/serving.py measures a server.
 
 The experiments compare scheduling ideas on one engine, so they drive `LLMEngine` directly: no
 HTTP, no event loop, one thread. What a client would see is rebuilt from the step loop:
@@ -33,9 +33,9 @@ import numpy as np
 
 from engine.core.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from experiments.datasets import SampleRequest
-from experiments.load_client import arrival_gaps
-from experiments.metrics import RequestRecord
+from experiments.lab.datasets import SampleRequest
+from experiments.lab.load_client import arrival_gaps
+from experiments.lab.metrics import RequestRecord
 from scheduler import Scheduler
 
 

@@ -31,8 +31,8 @@ import aiohttp
 import numpy as np
 from tqdm import tqdm
 
-from experiments.datasets import SampleRequest
-from experiments.metrics import RequestRecord
+from experiments.lab.datasets import SampleRequest
+from experiments.lab.metrics import RequestRecord
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 

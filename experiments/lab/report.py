@@ -18,13 +18,13 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from experiments.metrics import BenchmarkMetrics, RequestRecord
+from experiments.lab.metrics import BenchmarkMetrics, RequestRecord
 
 
 def write_json(path: str | pathlib.Path, obj) -> None:
     """Indented JSON; non-finite floats become strings ("inf"), which strict JSON cannot hold.
 
-    (bench_serving has its own writer, but importing it would define its absl flags here.)
+    (experiments.bench.serving has its own writer, but importing it would define its absl flags here.)
     """
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

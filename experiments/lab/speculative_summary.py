@@ -1,12 +1,12 @@
-"""exp_speculative's results: one arm at one concurrency, the summary table with its crossover and
-goals, and the plot. Kept apart from exp_speculative (which defines absl flags) so that tests and
-notebooks import it beside the other experiments without a flag clash."""
+"""experiments/ideas/speculative.py's results: one arm at one concurrency, the summary table with its
+crossover and goals, and the plot. Kept apart from the experiment (which defines absl flags) so that
+tests and notebooks import it beside the other experiments without a flag clash."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from experiments import report
+from experiments.lab import report
 
 
 @dataclasses.dataclass

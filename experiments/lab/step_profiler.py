@@ -1,5 +1,5 @@
-"""StepProfiler: where a step's wall time goes, per bucket (used by experiments.profile_step and
-experiments.bench_offline --profile).
+"""StepProfiler: where a step's wall time goes, per bucket (used by experiments.bench.profile_step and
+experiments.bench.offline --profile).
 
 Phases: schedule, input build, host-to-device, device compute, device-to-host, reading the result,
 scheduler update, and the engine's detokenize/outputs. `attach(engine)` times the scheduler's

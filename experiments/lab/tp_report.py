@@ -2,10 +2,10 @@
 arrays' shards), the head padding, and the collectives of one compiled step (from its HLO).
 
     XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu \\
-        python -m experiments.tp_report --model=default --tp=1,2,4
+        python -m experiments.lab.tp_report --model=default --tp=1,2,4
 
 Bytes and collectives are exact on any platform; no time is measured here (CPU times say nothing
-about an accelerator: measure speed with experiments.bench_offline on one).
+about an accelerator: measure speed with experiments.bench.offline on one).
 """
 
 from __future__ import annotations

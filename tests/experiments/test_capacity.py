@@ -157,7 +157,7 @@ def test_prediction_against_the_measured_cpu_sweep():
     assert 0.5 <= saved["at_knee"]["ratio"] <= 2.0
     # The knee: the predicted curve bends at the crossover, the measured one later (the CPU's
     # FLOP/s grow with the batch; the model uses the peak from the first token on).
-    from experiments.sweep import find_knee
+    from experiments.bench.sweep import find_knee
 
     loads = [p["concurrency"] for p in saved["predicted"]]
     predicted_knee = loads[find_knee(loads, [p["aggregate_tok_s"] for p in saved["predicted"]])]

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from experiments import datasets
+from experiments.lab import datasets
 
 
 def _conv(*turns):

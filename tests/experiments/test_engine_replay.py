@@ -1,13 +1,13 @@
-"""experiments.engine_replay on a real LLMEngine with random tiny weights (compiles in seconds)."""
+"""experiments.lab.engine_replay on a real LLMEngine with random tiny weights (compiles in seconds)."""
 
 import math
 
 import pytest
 
 from engine.config import EngineConfig
-from experiments import engine_replay, metrics, report
-from experiments.datasets import SampleRequest
-from experiments.engine_replay import ReplayConfig
+from experiments.lab import engine_replay, metrics, report
+from experiments.lab.datasets import SampleRequest
+from experiments.lab.engine_replay import ReplayConfig
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""`python -m experiments.bench_serving` and `python -m experiments.sweep` end to end, in a
+"""`python -m experiments.bench.serving` and `python -m experiments.bench.sweep` end to end, in a
 subprocess (their flags are global), against the fake server, with the default model's tokenizer.
 """
 
@@ -20,7 +20,7 @@ def _run(module, *args):
 def test_bench_serving_prints_table_and_writes_json(fake_server, tmp_path):
     fake_server.ttft_s, fake_server.itl_s = 0.01, 0.005
     out = tmp_path / "bench.json"
-    stdout = _run("experiments.bench_serving", f"--base_url={fake_server.base_url}",
+    stdout = _run("experiments.bench.serving", f"--base_url={fake_server.base_url}",
                   "--dataset=random", "--random_input_len=16", "--random_output_len=4",
                   "--num_prompts=6", "--max_concurrency=3", "--goodput=ttft:5000 itl_p95:5000",
                   "--temperature=0", "--ignore_eos", "--disable_tqdm", f"--result_json={out}")
@@ -37,7 +37,7 @@ def test_bench_serving_prints_table_and_writes_json(fake_server, tmp_path):
 
 def test_sweep_writes_json_markdown_png(fake_server, tmp_path):
     fake_server.ttft_s, fake_server.itl_s = 0.01, 0.005
-    _run("experiments.sweep", f"--base_url={fake_server.base_url}", "--dataset=shared-prefix",
+    _run("experiments.bench.sweep", f"--base_url={fake_server.base_url}", "--dataset=shared-prefix",
          "--num_prefixes=2", "--questions_per_prefix=4", "--prefix_len=16", "--question_len=4",
          "--shared_output_len=3", "--num_prompts=4", "--concurrencies=1,2,4",
          "--prompts_per_concurrency=1", "--goodput=ttft:5000", "--slo_itl_p95_ms=5000",

@@ -17,7 +17,7 @@ def run(module, tmp_path, *args):
     proc = subprocess.run([sys.executable, "-m", f"experiments.{module}", f"--out_dir={tmp_path}", *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    name = module.removeprefix("exp_")
+    name = module.removeprefix("ideas.")
     summary = json.loads((tmp_path / f"{name}.json").read_text())
     assert (tmp_path / f"{name}.png").stat().st_size > 1000
     assert (tmp_path / f"{name}.md").read_text().startswith(f"# {name}")
@@ -27,7 +27,7 @@ def run(module, tmp_path, *args):
 
 
 def test_paged_vs_contiguous(tmp_path):
-    stdout, s = run("exp_paged_vs_contiguous", tmp_path, "--num_prompts=40", "--num_kv_blocks=513",
+    stdout, s = run("ideas.paged_vs_contiguous", tmp_path, "--num_prompts=40", "--num_kv_blocks=513",
                     "--max_num_seqs=64", "--max_model_len=2048")
     assert "Scheduler-level" in stdout and s["level"].startswith("scheduler")
     paged, contiguous = s["arms"]["paged"], s["arms"]["contiguous"]
@@ -39,7 +39,7 @@ def test_paged_vs_contiguous(tmp_path):
 
 
 def test_static_vs_continuous(tmp_path):
-    stdout, s = run("exp_static_vs_continuous", tmp_path, *TINY_ENGINE, "--seq_buckets=4",
+    stdout, s = run("ideas.static_vs_continuous", tmp_path, *TINY_ENGINE, "--seq_buckets=4",
                     "--num_prompts=8", "--length_scale=0.05", "--max_output_len=16")
     assert "continuous / static output throughput" in stdout
     arms = s["arms"]
@@ -53,7 +53,7 @@ def test_static_vs_continuous(tmp_path):
 
 
 def test_chunked_prefill(tmp_path):
-    _, s = run("exp_chunked_prefill", tmp_path, "--model=random:tiny", "--num_users=2",
+    _, s = run("ideas.chunked_prefill", tmp_path, "--model=random:tiny", "--num_users=2",
                "--user_prompt_len=8", "--user_output_len=12", "--long_prompt_len=200",
                "--long_arrival_s=0.01", "--chunk_budget=32")
     assert s["config"]["max_model_len"] == 224 and s["config"]["token_buckets"] == [16, 32, 224]
@@ -65,7 +65,7 @@ def test_chunked_prefill(tmp_path):
 
 
 def test_prefix_caching(tmp_path):
-    _, s = run("exp_prefix_caching", tmp_path, *TINY_ENGINE, "--max_model_len=128",
+    _, s = run("ideas.prefix_caching", tmp_path, *TINY_ENGINE, "--max_model_len=128",
                "--num_prefixes=2", "--questions_per_prefix=3", "--prefix_len=64",
                "--question_len=8", "--output_len=3", "--request_rate=inf")
     off, on = s["arms"]["no cache"], s["arms"]["prefix cache"]

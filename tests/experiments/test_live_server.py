@@ -1,4 +1,4 @@
-"""Acceptance: `python -m experiments.bench_serving` against a live
+"""Acceptance: `python -m experiments.bench.serving` against a live
 `python -m entrypoints.openai.serve`.
 
 The server is the real entry point in its own process (random tiny weights, small buckets, so it
@@ -34,7 +34,7 @@ def server():
 def test_bench_serving_against_the_real_server(server, tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "experiments.bench_serving", f"--base_url={server.url}",
+        [sys.executable, "-m", "experiments.bench.serving", f"--base_url={server.url}",
          "--dataset=random", "--random_input_len=16", "--random_output_len=8", "--num_prompts=8",
          "--max_concurrency=4", "--ignore_eos", "--temperature=0", "--disable_tqdm",
          "--label=live-test", f"--result_json={out}"],

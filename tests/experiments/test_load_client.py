@@ -9,9 +9,9 @@ import math
 import numpy as np
 import pytest
 
-from experiments import load_client
-from experiments.datasets import SampleRequest
-from experiments.metrics import compute_metrics, parse_slos
+from experiments.lab import load_client
+from experiments.lab.datasets import SampleRequest
+from experiments.lab.metrics import compute_metrics, parse_slos
 
 
 def _samples(n, output_len=5, prompt="a b c", offsets=None):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from experiments.metrics import (
+from experiments.lab.metrics import (
     LatencyStats,
     RequestRecord,
     compute_metrics,

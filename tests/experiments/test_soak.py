@@ -1,4 +1,4 @@
-"""`python -m experiments.soak`, short: 150 requests at concurrency 8 against a random:tiny server
+"""`python -m experiments.bench.soak`, short: 150 requests at concurrency 8 against a random:tiny server
 with 39 usable KV blocks (preemption is forced), random disconnects and bad requests; the soak's
 own end checks must all pass (blocks free or cached, nothing stuck, no 5xx, greedy unchanged)."""
 
@@ -15,7 +15,7 @@ CACHE = os.environ.get("JAXSERVE_COMPILATION_CACHE", str(ROOT / ".cache" / "jax"
 def test_short_soak_passes_every_check(tmp_path):
     out = tmp_path / "soak.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "experiments.soak", "--num_requests=150", "--concurrency=8", "--abort_fraction=0.3",
+        [sys.executable, "-m", "experiments.bench.soak", "--num_requests=150", "--concurrency=8", "--abort_fraction=0.3",
          "--bad_fraction=0.15", f"--result_json={out}", "--settle_s=20",
          f"--server_args=--max_num_batched_tokens=64 --token_buckets=8,64 --seq_buckets=8 "
          f"--compilation_cache_dir={CACHE}"],

@@ -1,6 +1,6 @@
-"""exp_speculative's summary (experiments.speculative_summary): each arm against off, the crossover, the automatic arm's goal."""
+"""experiments.ideas.speculative's summary (experiments.lab.speculative_summary): each arm against off, the crossover, the automatic arm's goal."""
 
-from experiments.speculative_summary import ArmResult, median_of_rounds, summarize
+from experiments.lab.speculative_summary import ArmResult, median_of_rounds, summarize
 
 
 def _arm(arm, c, tok_s):
@@ -29,7 +29,7 @@ def test_rounds_report_the_median_throughput_and_keep_every_round():
 
 
 def test_the_sweep_end_to_end_on_random_tiny(tmp_path):
-    """exp_speculative's command line at toy size (a subprocess: its absl flags are global): two
+    """experiments.ideas.speculative's command line at toy size (a subprocess: its absl flags are global): two
     concurrencies, two interleaved rounds, prompts cached first; what it writes and its accounting."""
     import json
     import pathlib
@@ -38,7 +38,7 @@ def test_the_sweep_end_to_end_on_random_tiny(tmp_path):
 
     root = pathlib.Path(__file__).resolve().parents[2]
     proc = subprocess.run(
-        [sys.executable, "-m", "experiments.exp_speculative", "--model=random:tiny", "--concurrencies=1,2",
+        [sys.executable, "-m", "experiments.ideas.speculative", "--model=random:tiny", "--concurrencies=1,2",
          "--num_requests=2", "--output_len=8", "--rounds=2", "--max_num_seqs=4", "--max_num_batched_tokens=64",
          "--token_buckets=4,16,64", f"--out_dir={tmp_path}"],
         cwd=root, capture_output=True, text=True, timeout=300)

@@ -4,9 +4,10 @@ import json
 
 import pytest
 
-from experiments import load_client, sweep
-from experiments.datasets import SampleRequest
-from experiments.metrics import BenchmarkMetrics, LatencyStats, parse_slos
+from experiments.bench import sweep
+from experiments.lab import load_client
+from experiments.lab.datasets import SampleRequest
+from experiments.lab.metrics import BenchmarkMetrics, LatencyStats, parse_slos
 
 
 def _metrics(throughput, itl_p95_ms=10.0, num_good=None, sent=10):

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from experiments.bf16_agreement import dense_logits, load_reference
+from experiments.bench.bf16_agreement import dense_logits, load_reference
 from models.default_model import default_model_path
 from models.gguf_loader import load_gguf
 from models.llama import forward_dense
@@ -77,7 +77,7 @@ BF16_NEAR_TIE = 0.5
 
 
 def test_bfloat16_greedy_agrees_with_the_reference_except_at_near_ties():
-    from experiments.bf16_agreement import agreement
+    from experiments.bench.bf16_agreement import agreement
 
     result = agreement(BF16_NEAR_TIE)
     assert result["clear_agree"] == result["clear_positions"], result["prompts"]
