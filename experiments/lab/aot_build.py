@@ -52,6 +52,16 @@ class BucketResult:
     collectives_per_layer: dict
     collectives_outside_layers: dict
     executable: object = dataclasses.field(default=None, repr=False)
+    error: str | None = None  # the compiler's refusal (out of memory), when it refused
+
+
+def _refused(bucket, seconds: float, message: str) -> BucketResult:
+    """A bucket the compiler refused for memory; its temporaries as the message states them."""
+    found = re.search(r"temporaries \(([\d.]+)([KMGT])\)", message)
+    temp = int(float(found.group(1)) * 1024 ** "KMGT".index(found.group(2)) * 1024) if found else 0
+    first = message.strip().splitlines()[0] if message.strip() else message
+    return BucketResult(bucket.padded_tokens, bucket.padded_seqs, bucket.padded_logits, seconds,
+                        temp, 0, None, None, None, None, {}, {}, None, first[:300])
 
 
 @dataclasses.dataclass
@@ -86,7 +96,8 @@ class Build:
 
     @property
     def fits(self) -> bool:
-        return self.num_blocks >= 2 and self.total_bytes <= self.usable_bytes
+        refused = any(b.error for b in self.buckets)
+        return not refused and self.num_blocks >= 2 and self.total_bytes <= self.usable_bytes
 
     @property
     def max_kv_blocks(self) -> int:
@@ -212,7 +223,17 @@ def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: st
     results = []
     for bucket in shapes.buckets():
         start = time.perf_counter()
-        compiled = lower_bucket(step, builder, bucket, state, replicated).compile()
+        lowered = lower_bucket(step, builder, bucket, state, replicated)
+        try:
+            compiled = lowered.compile()
+        except Exception as e:  # XLA:TPU refuses a program that does not fit its HBM
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            results.append(_refused(bucket, time.perf_counter() - start, str(e)))
+            if progress:
+                progress(f"  bucket T={bucket.padded_tokens:5d} S={bucket.padded_seqs:4d}: "
+                         f"refused by the compiler: {results[-1].error}")
+            continue
         seconds = time.perf_counter() - start
         mem = compiled.memory_analysis()
         cost = compiled.cost_analysis()
