@@ -105,7 +105,7 @@ def format_report(r: dict) -> str:
     for b in r["buckets"]:
         if b["error"]:
             lines.append(f"        {b['padded_tokens']:6d} {b['padded_seqs']:5d} {b['compile_s']:10.2f} "
-                         f"{b['temp_bytes'] / 2**20:10.1f}  refused: {b['error']}")
+                         f"{'-':>10}  refused: {b['error']}")
             continue
         coll = ", ".join(f"{k} {v:g}" for k, v in b["collectives_per_layer"].items() if v) or "-"
         gflop = f"{b['flops'] / 1e9:11.1f}" if b["flops"] is not None else f"{'-':>11}"

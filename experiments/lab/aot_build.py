@@ -53,15 +53,17 @@ class BucketResult:
     collectives_outside_layers: dict
     executable: object = dataclasses.field(default=None, repr=False)
     error: str | None = None  # the compiler's refusal (out of memory), when it refused
+    required_bytes: int | None = None  # what the refusing compiler said the program needs in all
 
 
 def _refused(bucket, seconds: float, message: str) -> BucketResult:
-    """A bucket the compiler refused for memory; its temporaries as the message states them."""
+    """A bucket the compiler refused for memory, with the total its message states (XLA:TPU
+    counts arguments and temporaries together there)."""
     found = re.search(r"temporaries \(([\d.]+)([KMGT])\)", message)
     temp = int(float(found.group(1)) * 1024 ** "KMGT".index(found.group(2)) * 1024) if found else 0
     first = message.strip().splitlines()[0] if message.strip() else message
     return BucketResult(bucket.padded_tokens, bucket.padded_seqs, bucket.padded_logits, seconds,
-                        temp, 0, None, None, None, None, {}, {}, None, first[:300])
+                        0, 0, None, None, None, None, {}, {}, None, first[:300], temp or None)
 
 
 @dataclasses.dataclass
