@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PROMPT ?= Explain in two sentences why a GPU serving one user is mostly idle.
 
-.PHONY: setup test lint demo serve bench clean notebook-test draft-head serve-draft-head
+.PHONY: setup test lint demo serve bench clean notebook-test draft-head serve-draft-head aot-setup aot-test
 # Python writes the bytecode of what it imports on first use (setup installs with --no-compile):
 # with PYTHONDONTWRITEBYTECODE set (some CI images and sandboxes set it) every process would
 # compile jax from source again, 6.0 s instead of 2.8 s to import jax and the engine here.
@@ -68,6 +68,20 @@ bench: setup
 	  --dataset=sharegpt --max_prompt_len=256 --max_output_len=64 \
 	  --concurrencies=1,2,4,8,16,32,64 --num_prompts=8 --prompts_per_concurrency=2 \
 	  --temperature=0 --ignore_eos --goodput="ttft:2000 itl_p95:250" --slo_itl_p95_ms=250
+
+# The TPU and GPU compilers (the `aot` extra, about 400 MB of wheels) into the same venv, for
+# `python -m experiments.aot` and the tests marked `aot`; JAX_PLATFORMS=cpu keeps the engine on
+# the CPU with them installed (without it jax would try to open a TPU or GPU first).
+AOT_STAMP := $(VENV)/.aot-stamp
+$(AOT_STAMP): $(STAMP) pyproject.toml
+	$(VENV)/bin/uv pip install -q --python $(PY) -e ".[test,aot]" || \
+	  $(PY) -m pip install -q --no-compile -e ".[test,aot]"
+	touch $(AOT_STAMP)
+
+aot-setup: $(AOT_STAMP)
+
+aot-test: aot-setup
+	JAX_PLATFORMS=cpu $(PY) -m pytest tests -m aot -n $(TEST_WORKERS) --dist loadscope --durations=20 $(PYTEST_ARGS)
 
 # Runs notebooks/quickstart.ipynb headless (nbclient) on the CPU; fails on any cell error.
 # The executed copy lands in .cache/notebooks/ (ignored). A few minutes on a 2-core CPU.
