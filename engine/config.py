@@ -49,6 +49,7 @@ class EngineConfig:
     weights_cache_dir: str | None = None  # keep GGUF conversions here (orbax) for fast restarts
     load_executables: str | None = None  # a folder written by experiments.aot --save_executables: its compiled steps are loaded instead of compiling (after its manifest is checked against this engine)
     max_logprobs: int = 20  # most top logprobs a request may ask for
+    prompt_scoring_bucket: bool = True  # compile the largest token bucket once more with a logit row per token, for the steps that score a prompt (prompt_logprobs; echo with logprobs): a scored prompt then advances by its share of the token budget under load; False: one executable fewer, and a scored prompt gets only the logit rows the other requests leave
     precompile: bool = True  # compile every bucket at start-up
     background_compile: bool = False  # with precompile: compile the smallest and largest buckets at start-up and the rest on a background thread (steps pad to a compiled bucket meanwhile); make serve turns it on
     tensor_parallel_size: int = 1  # devices one model is split over (the mesh's "model" axis)
@@ -101,7 +102,7 @@ class EngineConfig:
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"EngineConfig.{name} must be a boolean or None, got {value!r}")
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "interpret", "precompile",
-                     "background_compile"):
+                     "background_compile", "prompt_scoring_bucket"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} must be a boolean, got {getattr(self, name)!r}")
         for name in ("token_buckets", "seq_buckets"):

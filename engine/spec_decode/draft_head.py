@@ -269,7 +269,7 @@ class DraftHeadProposer:
         self.seq_buckets = tuple(runner.shapes.seq_buckets)
         self._fn = jax.jit(lambda p, s, hid, r, t: _propose(p, s, hid, r, t, cfg=cfg, k=self.k))
         self._hidden_shape = jax.ShapeDtypeStruct(
-            (runner.shapes.bucket_of(runner.shapes.token_buckets[-1]).padded_logits, cfg.hidden_size),
+            (runner.shapes.max_logits, cfg.hidden_size),
             jnp.float32)
         self._compiled: dict[int, object] = {}
         if precompile:

@@ -3,8 +3,14 @@
 A step is padded to (T tokens, S sequences, L logit rows). Token buckets come from the config or
 `default_buckets(max_num_batched_tokens)`; each token bucket compiles with ONE sequence count (the
 smallest sequence bucket holding min(T, max rows)) and one logit-row count (S * logits_per_seq,
-at most T), so there are as many executables as token buckets. A shape outside them is an error,
-never a recompile.
+at most T), so there are as many plain executables as token buckets. A shape outside them is an
+error, never a recompile.
+
+Prompt scoring (prompt logprobs) needs a logit row per prompt position. With `prompt_scoring`,
+the largest token bucket is declared once more with L = T (`scoring_bucket`), used only by a step
+whose logit rows no plain bucket holds (one with a scored prompt chunk): a scored prompt then
+advances by its share of the token budget, as any prefill, instead of by the few rows the decodes
+leave in a plain bucket. It compiles at start-up with the others (`all_buckets`).
 """
 
 from __future__ import annotations
@@ -47,10 +53,14 @@ def bucket_of(t: int, seq_buckets: tuple[int, ...], logits_per_seq: int) -> Buck
 
 
 def max_logit_rows(config) -> int:
-    """Logit rows of the largest bucket: the most one step can sample or score."""
+    """Logit rows of the bucket with the most: the most one step can sample or score (the
+    scheduler's max_num_logits)."""
     spec = getattr(config, "speculative_config", None)
     lps = 1 + (spec.num_speculative_tokens if spec is not None else 0)
-    return bucket_of(resolve_token_buckets(config)[-1], resolve_seq_buckets(config), lps).padded_logits
+    largest = resolve_token_buckets(config)[-1]
+    if config.prompt_scoring_bucket:
+        return largest
+    return bucket_of(largest, resolve_seq_buckets(config), lps).padded_logits
 
 
 def resolve_seq_buckets(config) -> tuple[int, ...]:
@@ -76,6 +86,7 @@ class RunnerShapes:
     num_logprobs: int  # top logprobs computed per row when asked
     sample_vocab_size: int  # ids the tokenizer knows: logits past it are never sampled
     logits_per_seq: int = 1  # logit rows per sequence a bucket holds (1 + k with k drafts)
+    prompt_scoring: bool = True  # the largest token bucket also compiles with L = T (scoring_bucket)
 
     @property
     def max_num_seqs(self) -> int:
@@ -84,8 +95,10 @@ class RunnerShapes:
 
     def bucket_for(self, num_tokens: int, num_seqs: int, num_logits: int | None = None,
                    ready=None) -> Bucket:
-        """The smallest declared bucket that fits the step; with `ready` (a predicate on buckets:
-        compiled yet?), the smallest ready one. The largest bucket is always ready."""
+        """The smallest declared plain bucket that fits the step; with `ready` (a predicate on
+        buckets: compiled yet?), the smallest ready one. The largest bucket is always ready.
+        The scoring bucket (always ready: it compiles at start-up) serves a step whose logit rows
+        no plain bucket holds."""
         num_logits = num_seqs if num_logits is None else num_logits
         i = bisect.bisect_left(self.token_buckets, num_tokens)
         if i == len(self.token_buckets):
@@ -97,11 +110,34 @@ class RunnerShapes:
                 continue
             if bucket.padded_seqs >= num_seqs and bucket.padded_logits >= num_logits:
                 return bucket
+        scoring = self.scoring_bucket
+        if scoring is not None and scoring.padded_seqs >= num_seqs and scoring.padded_logits >= num_logits:
+            return scoring
         raise ValueError(f"a step of {num_seqs} sequences and {num_logits} sampled positions "
-                         f"exceeds the largest bucket {self.bucket_of(self.token_buckets[-1])}")
+                         f"exceeds the largest bucket {self.all_buckets()[-1]}")
 
     def bucket_of(self, t: int) -> Bucket:
         return bucket_of(t, self.seq_buckets, self.logits_per_seq)
 
     def buckets(self) -> list[Bucket]:
+        """The plain buckets, one per token bucket."""
         return [self.bucket_of(t) for t in self.token_buckets]
+
+    @property
+    def scoring_bucket(self) -> Bucket | None:
+        """The largest token bucket with a logit row per token, when `prompt_scoring` and its plain
+        bucket has fewer (None otherwise)."""
+        plain = self.bucket_of(self.token_buckets[-1])
+        if not self.prompt_scoring or plain.padded_logits == plain.padded_tokens:
+            return None
+        return dataclasses.replace(plain, padded_logits=plain.padded_tokens)
+
+    def all_buckets(self) -> list[Bucket]:
+        """Every shape the runner compiles: the plain buckets, then the scoring bucket if any."""
+        scoring = self.scoring_bucket
+        return self.buckets() + ([scoring] if scoring is not None else [])
+
+    @property
+    def max_logits(self) -> int:
+        """The most logit rows a step can have (the scheduler's max_num_logits)."""
+        return max(b.padded_logits for b in self.all_buckets())

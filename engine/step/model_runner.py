@@ -2,10 +2,12 @@
 
 1. At start-up every bucket (padded tokens T, sequences S, logit rows L; buckets.py) is
    lowered against abstract shapes and compiled ahead of time, with a progress bar; the
-   persistent compilation cache makes a restart fast. A step whose shape falls outside the
-   buckets is an error, never a recompile. With background_compile only the smallest and the
-   largest bucket compile before serving; the rest compile on a thread, and meanwhile a step runs
-   in the smallest compiled bucket that fits it (`compile_in_background`).
+   persistent compilation cache makes a restart fast; so is the scoring bucket (the largest
+   token bucket with a logit row per token, for steps that score a prompt). A step whose shape
+   falls outside the buckets is an error, never a recompile. With background_compile only the
+   smallest and the largest bucket (and the scoring one) compile before serving; the rest compile
+   on a thread, and meanwhile a step runs in the smallest compiled bucket that fits it
+   (`compile_in_background`).
 2. `execute(scheduler_output)` first updates the request table (request_table.py: the
    requests that left are dropped, the ones that joined get a slot), then fills the bucket's flat
    input buffer (BatchBuilder; every StepInputs field is a view into it), moves it to the device
@@ -95,7 +97,7 @@ class ModelRunner:
                                keep_hidden=keep_hidden)
         # keep_hidden (a draft head reads it, engine/spec_decode/draft_head.py): after each step,
         # `hidden` is the target's final hidden state at its logit rows (float32 [max L, e], on the
-        # device, padded to the largest bucket's L so its shape never changes) and `hidden_rows`
+        # device, padded to the most logit rows of any bucket so its shape never changes) and `hidden_rows`
         # maps each request that sampled to the row of its last kept token.
         self.keep_hidden = keep_hidden
         self.hidden: jax.Array | None = None
@@ -134,7 +136,7 @@ class ModelRunner:
         """Compiles every bucket not compiled yet. Lowering (Python tracing) runs here, one bucket
         after another; XLA's compilations, which release the GIL, run on `workers` threads (the
         CPU count by default): on a 2-core CPU start-up compiles in about half the time."""
-        todo = [b for b in (buckets or self.shapes.buckets()) if b not in self._compiled]
+        todo = [b for b in (buckets or self.shapes.all_buckets()) if b not in self._compiled]
         if not todo:
             return
         workers = max(1, min(len(todo), workers or os.cpu_count() or 1))
@@ -149,13 +151,15 @@ class ModelRunner:
         bar.close()
 
     def compile_in_background(self, progress: bool = True) -> None:
-        """Compiles the smallest and the largest bucket now, the others on a background thread
-        (smallest first). Until a bucket is compiled, its steps run in the smallest compiled
-        bucket that fits them (padded further, never recompiled): the engine serves every shape
-        from the start, and reaches its steady-state step times once `all_compiled`."""
+        """Compiles the smallest and the largest bucket (and the scoring bucket, which no other
+        serves) now, the others on a background thread (smallest first). Until a bucket is
+        compiled, its steps run in the smallest compiled bucket that fits them (padded further,
+        never recompiled): the engine serves every shape from the start, and reaches its
+        steady-state step times once `all_compiled`."""
         buckets = self.shapes.buckets()
         self._abstract_state  # noqa: B018 (taken now, on this thread)
-        self.compile_all(progress=progress, buckets=[buckets[0], buckets[-1]])
+        scoring = [] if self.shapes.scoring_bucket is None else [self.shapes.scoring_bucket]
+        self.compile_all(progress=progress, buckets=[buckets[0], buckets[-1], *scoring])
         rest = [b for b in buckets if b not in self._compiled]
 
         stop = threading.Event()
@@ -173,7 +177,8 @@ class ModelRunner:
                 self._token_mask(bucket, None)
                 self._compiled[bucket] = executable  # published last: a step sees it whole
             logging.info("jaxserve: %d of %d buckets compiled, the last %d in the background in %.1f s",
-                         len(self._compiled), len(buckets), len(rest), time.perf_counter() - start)
+                         len(self._compiled), len(self.shapes.all_buckets()), len(rest),
+                         time.perf_counter() - start)
 
         self._compile_thread = threading.Thread(target=work, name="compile-buckets", daemon=True)
         self._compile_thread.start()
@@ -183,7 +188,7 @@ class ModelRunner:
 
     @property
     def all_compiled(self) -> bool:
-        return len(self._compiled) == len(self.shapes.token_buckets)  # one bucket per token count
+        return len(self._compiled) == len(self.shapes.all_buckets())
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Blocks until the background compilation (if any) is done; True when every bucket is."""
@@ -196,8 +201,8 @@ class ModelRunner:
 
     def _executable(self, bucket: Bucket):
         if bucket not in self._compiled:
-            if bucket not in self.shapes.buckets():
-                raise ValueError(f"shape {bucket} is not a declared bucket: {self.shapes.buckets()}")
+            if bucket not in self.shapes.all_buckets():
+                raise ValueError(f"shape {bucket} is not a declared bucket: {self.shapes.all_buckets()}")
             self._compiled[bucket] = self._compile(bucket)
             self._token_mask(bucket, None)
         return self._compiled[bucket]

@@ -70,7 +70,7 @@ def make_step(config: ModelConfig, shapes: RunnerShapes, *, attention_backend: s
             raise ValueError("ModelRunner(keep_hidden=True) runs on one device (no placement)")
         forward = placement.forward(attention_backend=attention_backend, interpret=interpret,
                                     layer_loop=layer_loop)
-    hidden_rows = shapes.bucket_of(shapes.token_buckets[-1]).padded_logits if keep_hidden else 0
+    hidden_rows = shapes.max_logits if keep_hidden else 0
     return functools.partial(_step, forward=forward, num_logprobs=shapes.num_logprobs,
                              sample_vocab_size=shapes.sample_vocab_size,
                              num_speculative_tokens=shapes.logits_per_seq - 1, hidden_rows=hidden_rows)

@@ -14,14 +14,17 @@ from engine.step.buckets import Bucket, default_buckets
 def test_buckets_are_declared_and_a_shape_outside_is_an_error(engine):
     shapes = engine.runner.shapes
     assert shapes.buckets() == [Bucket(1, 8, 1), Bucket(8, 8, 8), Bucket(32, 32, 32), Bucket(128, 32, 32)]
-    assert set(engine.runner._compiled) == set(shapes.buckets())  # all compiled at start-up
+    # The largest token bucket again with a logit row per token, for steps that score a prompt.
+    assert shapes.scoring_bucket == Bucket(128, 32, 128) and shapes.all_buckets()[-1] == shapes.scoring_bucket
+    assert set(engine.runner._compiled) == set(shapes.all_buckets())  # all compiled at start-up
     assert shapes.bucket_for(1, 1) == Bucket(1, 8, 1) and shapes.bucket_for(3, 2) == Bucket(8, 8, 8)
     assert shapes.bucket_for(17, 8) == Bucket(32, 32, 32)
     assert shapes.bucket_for(8, 9) == Bucket(32, 32, 32)  # 9 rows: past the 8-row bucket
     with pytest.raises(ValueError, match="token bucket"):
         shapes.bucket_for(129, 1)
+    assert shapes.bucket_for(8, 2, num_logits=33) == Bucket(128, 32, 128)  # a scored chunk
     with pytest.raises(ValueError, match="sampled positions"):
-        shapes.bucket_for(8, 2, num_logits=33)
+        shapes.bucket_for(8, 2, num_logits=129)
     with pytest.raises(ValueError, match="not a declared bucket"):
         engine.runner._executable(Bucket(64, 8, 8))
     assert default_buckets(256) == (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -68,8 +71,9 @@ def test_second_start_reuses_the_persistent_compilation_cache(tmp_path):
 
 
 def test_background_compile_serves_at_once_in_compiled_buckets_then_compiles_the_rest(tiny_engine):
-    """background_compile: the smallest and largest buckets compile at start-up; until another
-    bucket is ready its steps pad into the next compiled one, and the tokens are the same."""
+    """background_compile: the smallest and largest buckets (and the scoring one) compile at
+    start-up; until another bucket is ready its steps pad into the next compiled one, and the
+    tokens are the same."""
     from engine.config import EngineConfig
     from engine.core.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
@@ -77,18 +81,18 @@ def test_background_compile_serves_at_once_in_compiled_buckets_then_compiles_the
 
     shapes = tiny_engine.runner.shapes
     first, *middle, last = shapes.buckets()
-    ready = {first, last}.__contains__
+    ready = {first, last, shapes.scoring_bucket}.__contains__
     assert shapes.bucket_for(1, 1, ready=ready) == first
     assert shapes.bucket_for(2, 2, ready=ready) == last  # 4 and 16 not ready: padded to 64
     assert shapes.bucket_for(2, 2, ready=lambda b: b != middle[0]) == middle[1]
 
     engine = LLMEngine(EngineConfig(**TINY_KNOBS, background_compile=True), progress=False)
-    assert {first, last} <= set(engine.runner._compiled)
+    assert {first, last, shapes.scoring_bucket} <= set(engine.runner._compiled)
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     requests = [(f"bg{i}", f"prompt {i} " * (i + 1), greedy) for i in range(6)]
     got = run_to_completion(engine, requests)  # while the other buckets may still compile
     assert engine.runner.wait_compiled(timeout=300)
-    assert set(engine.runner._compiled) == set(shapes.buckets())
+    assert set(engine.runner._compiled) == set(shapes.all_buckets())
     want = run_to_completion(tiny_engine, requests)
     assert {k: v.outputs[0].token_ids for k, v in got.items()} == {k: v.outputs[0].token_ids for k, v in want.items()}
 
