@@ -8,6 +8,10 @@ and the buckets. A server started with `--load_executables=DIR` builds the same 
 own configuration (`manifest`) and loads the programs only if every field agrees; the first field
 that differs is a ValueError naming it and both values, so a stale or foreign folder is refused
 instead of running a program built for other shapes.
+
+The manifest lists the plain buckets (`RunnerShapes.buckets`); the scoring bucket (buckets.py,
+`prompt_scoring`) is not saved by experiments.aot, so an engine that loads a folder compiles that
+one program itself at start-up.
 """
 
 from __future__ import annotations
