@@ -81,7 +81,7 @@ def test_engine_serves_the_folder_with_transformers_greedy_tokens(name):
     from engine import LLM, SamplingParams
 
     llm = LLM(str(FIXTURES / name), max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
-              num_kv_blocks=32, block_size=4)
+              num_kv_blocks=32, block_size=4, token_buckets=(4, 32), seq_buckets=(4,))
     outs = llm.generate([list(p) for p in REFERENCE["prompts"]],
                         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == REFERENCE["greedy"][name]
