@@ -14,12 +14,17 @@ Layout
             themselves with one gathered load each.
   out       [NB, Hkv, R, D]; split-K writes [NB, Hkv, splits, R, D] plus per-row max m and sum l
             [NB, Hkv, splits, R], merged in XLA.
+  Row chunks: a program takes C rows of its block's R (C = R unless Triton's tiles of R rows would
+            not fit the shared memory of sm_80 and sm_90, `row_chunk`: C halves until they do),
+            so a large block (block_q x Gp rows, float32) still compiles; the chunks of a block
+            read the same pages.
   Metadata (global memory, from AttentionMetadata, prepared once per step by `prepare_gpu`):
   block tables [S, max_blocks_per_seq padded to pages_per_step], and per query block its
   sequence, real rows, kv position of row 0, page range [lo, hi). block_q, pages_per_step and the
   split count are static choices made there too.
 
-Walkthrough (grid = (NB, Hkv, splits); one program per query block, kv head and kv split)
+Walkthrough (grid = (NB, Hkv * R / C, splits); one program per query block, kv head, row chunk
+and kv split)
   1. Read the block's metadata; this split covers steps [start, end) of the block's page range.
   2. For each step: gather page ids and then K, V rows [K = pages_per_step * block_size, D];
      scores [R, K] = q . k^T * sm_scale in float32; soft cap; mask (causal by position, window,
@@ -39,6 +44,10 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import metadata, validation
 
 _MIN_ROWS = 16  # Triton's dot wants every dimension >= 16
+# Shared memory one program may use (the per-block opt-in limit) on the GPUs the kernel is
+# compiled for: sm_80 (A100, 163 KiB) and sm_90 (H100, H200, 227 KiB). Consumer Ampere and Ada
+# cards (sm_86, sm_89) have 99 KiB: their largest tiles would need a smaller block_q.
+SHARED_MEMORY_LIMITS = {"sm_80": 166_912, "sm_90": 232_448}
 _TARGET_PROGRAMS = 256  # split-K fills roughly this many programs (about 2 per SM on an H100)
 _MAX_SPLITS = 16
 
@@ -55,11 +64,11 @@ def _gpu_kernel(
     pos_ref,  # int32[NB] kv position of each block's first query token
     lo_ref,  # int32[NB] first page the block reads
     hi_ref,  # int32[NB] one past the last page it reads
-    q_ref,  # [R, D] this program's queries (block b, kv head h)
+    q_ref,  # [C, D] this program's queries (block b, kv head h, row chunk c)
     k_ref,  # [L * num_blocks * block_size, Hkv, D] all layers' K rows
     v_ref,  # [L * num_blocks * block_size, Hkv, D] all layers' V rows
-    o_ref,  # [R, D] output rows (of split s under split-K)
-    *stat_refs,  # split-K only: m_ref f32[R], l_ref f32[R]
+    o_ref,  # [C, D] output rows (of split s under split-K)
+    *stat_refs,  # split-K only: m_ref f32[C], l_ref f32[C]
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
@@ -68,9 +77,16 @@ def _gpu_kernel(
     num_blocks: int,
     pages_per_step: int,
     num_splits: int,
+    row_chunks: int,
     precision,
 ):
-    b, h = pl.program_id(0), pl.program_id(1)
+    rows, head_dim = q_ref.shape  # C rows of the block's R = C * row_chunks
+    b = pl.program_id(0)
+    if row_chunks == 1:
+        h, row0 = pl.program_id(1), 0
+    else:
+        h = pl.program_id(1) // row_chunks
+        row0 = lax.rem(pl.program_id(1), row_chunks) * rows  # the chunk's first row in the block
     row_base = layer_ref[0] * (num_blocks * block_size)  # first K/V row of this layer
     seq, first_pos = seq_ref[b], pos_ref[b]
     kv_end = first_pos + q_len_ref[b]  # no row reads kv positions >= kv_end
@@ -84,9 +100,8 @@ def _gpu_kernel(
     else:
         start, end = lo_step, hi_step
 
-    rows, head_dim = q_ref.shape
-    q = q_ref[...]  # [R, D]
-    row_pos = first_pos + lax.div(jnp.arange(rows, dtype=jnp.int32), group_pad)  # [R]
+    q = q_ref[...]  # [C, D]
+    row_pos = first_pos + lax.div(row0 + jnp.arange(rows, dtype=jnp.int32), group_pad)  # [C]
     col = jnp.arange(kv_step, dtype=jnp.int32)  # [K]
     page_col = lax.div(col, block_size)  # [K] page of each kv row within the step
     offset = lax.rem(col, block_size)  # [K]
@@ -100,7 +115,7 @@ def _gpu_kernel(
         s = lax.dot_general(
             q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
         )
-        s = s * sm_scale  # [R, K]
+        s = s * sm_scale  # [C, K]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         kv_pos = (i * kv_step + col)[None, :]  # [1, K]
@@ -108,7 +123,7 @@ def _gpu_kernel(
         if sliding_window is not None:
             mask &= kv_pos > row_pos[:, None] - sliding_window
         s = jnp.where(mask, s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))  # [R]
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))  # [C]
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         p = jnp.exp(s - m_safe[:, None])
         alpha = jnp.exp(m - m_safe)
@@ -135,32 +150,47 @@ def _gpu_kernel(
         l_ref[...] = denom
 
 
-def _gpu_pallas_call(scalars, q_blocks, k_rows, v_rows, *, num_splits, interpret, **static):
-    """pallas_call over grid (NB, Hkv, num_splits); returns out or (out, m, l) for split-K.
+def _gpu_pallas_call(
+    scalars, q_blocks, k_rows, v_rows, *, num_splits, row_chunk, interpret, **static
+):
+    """pallas_call over grid (NB, Hkv * R / row_chunk, num_splits); returns out or (out, m, l)
+    for split-K.
 
     scalars = (layer, tables, seq, q_len, pos, lo, hi); k_rows, v_rows [L * nb * bs, Hkv, D].
     """
     nb, num_kv_heads, rows, head_dim = q_blocks.shape
+    chunks = rows // row_chunk
     whole = pl.BlockSpec()  # the whole array: metadata and the paged cache
-    q_spec = pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0))
+    if chunks == 1:
+        index = lambda b, h, s: (b, h, 0)
+    else:  # grid axis 1 is kv head * chunks + chunk
+        index = lambda b, hc, s: (b, hc // chunks, hc % chunks)
+    q_spec = pl.BlockSpec((None, None, row_chunk, head_dim), lambda b, h, s: (*index(b, h, s), 0))
     if num_splits == 1:
         out_shape = jax.ShapeDtypeStruct(q_blocks.shape, q_blocks.dtype)
         out_specs = q_spec
     else:
         split_shape = (nb, num_kv_heads, num_splits, rows)
+
+        def split_index(b, h, s):
+            b, h, c = index(b, h, s)
+            return b, h, s, c
+
         out_shape = (
             jax.ShapeDtypeStruct((*split_shape, head_dim), jnp.float32),
             jax.ShapeDtypeStruct(split_shape, jnp.float32),
             jax.ShapeDtypeStruct(split_shape, jnp.float32),
         )
         out_specs = (
-            pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
-            pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),
-            pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),
+            pl.BlockSpec(
+                (None, None, None, row_chunk, head_dim), lambda b, h, s: (*split_index(b, h, s), 0)
+            ),
+            pl.BlockSpec((None, None, None, row_chunk), split_index),
+            pl.BlockSpec((None, None, None, row_chunk), split_index),
         )
     return pl.pallas_call(
-        functools.partial(_gpu_kernel, num_splits=num_splits, **static),
-        grid=(nb, num_kv_heads, num_splits),
+        functools.partial(_gpu_kernel, num_splits=num_splits, row_chunks=chunks, **static),
+        grid=(nb, num_kv_heads * chunks, num_splits),
         in_specs=[whole] * len(scalars) + [q_spec, whole, whole],
         out_specs=out_specs,
         out_shape=out_shape,
@@ -168,6 +198,42 @@ def _gpu_pallas_call(scalars, q_blocks, k_rows, v_rows, *, num_splits, interpret
         interpret=interpret,
         name="ragged_paged_attention_gpu",
     )(*scalars, q_blocks, k_rows, v_rows)
+
+
+def shared_memory_bytes(
+    arch: str, rows: int, kv_rows: int, head_dim: int, itemsize: int, full_precision: bool
+) -> int:
+    """Shared memory Triton asks for one program of the kernel on `arch` ("sm_80" | "sm_90").
+
+    The tiles staged there: q [rows, D] and the step's K and V [kv_rows, D]; sm_90's 16-bit dots
+    (wgmma) keep two stages of K and V; float32 dots at full precision (no tensor cores) stage
+    P [rows, kv_rows] as well. This is what the compilers requested in their refusals (to within
+    1 KiB, which is added): bf16 D 128, 512 x 128 rows: 197,120 B (sm_80) and 262,656 B (sm_90);
+    float32 D 64, 256 x 128 rows: 263,168 B on both (tests/pallas_kernels/test_device_compile.py).
+    """
+    stages = 2 if arch == "sm_90" and not full_precision else 1
+    elements = rows * head_dim + 2 * stages * kv_rows * head_dim
+    if full_precision:
+        elements += rows * kv_rows
+    return itemsize * elements + 1024
+
+
+def row_chunk(rows: int, kv_rows: int, head_dim: int, itemsize: int, full_precision: bool):
+    """Rows per program: R, halved until the tiles fit every SHARED_MEMORY_LIMITS arch; None when
+    not even _MIN_ROWS rows fit (the kv step itself is too large)."""
+
+    def fits(c):
+        return all(
+            shared_memory_bytes(arch, c, kv_rows, head_dim, itemsize, full_precision) <= limit
+            for arch, limit in SHARED_MEMORY_LIMITS.items()
+        )
+
+    chunk = rows
+    while not fits(chunk):
+        if chunk <= _MIN_ROWS or chunk % 2:
+            return None
+        chunk //= 2
+    return chunk
 
 
 def _merge_splits(out, m, denom, dtype):
@@ -273,12 +339,34 @@ def ragged_paged_attention_gpu(
     # All layers' K/V rows: a free row-major view of the stacked (or 4-D) cache.
     flat = (cache.num_layers * cache.num_blocks * bs, md.num_kv_heads, cache.head_dim)
     is_f32 = q.dtype == jnp.float32 or jnp.result_type(k_cache) == jnp.float32
+    rows = md.block_q * md.group_pad
+    kv_rows = md.pages_per_step * bs
+    itemsize = max(q.dtype.itemsize, jnp.dtype(jnp.result_type(k_cache)).itemsize)
+    chunk = row_chunk(rows, kv_rows, cache.head_dim, itemsize, is_f32)
+    if chunk is None:
+        need = {
+            arch: shared_memory_bytes(arch, _MIN_ROWS, kv_rows, cache.head_dim, itemsize, is_f32)
+            for arch in SHARED_MEMORY_LIMITS
+        }
+        over = ", ".join(
+            f"{need[arch]:,} B on {arch} (limit {limit:,} B)"
+            for arch, limit in SHARED_MEMORY_LIMITS.items()
+            if need[arch] > limit
+        )
+        raise ValueError(
+            f"pallas_gpu: a kv step of pages_per_step={md.pages_per_step} x block_size={bs} = "
+            f"{kv_rows} rows of head_dim {cache.head_dim} in {jnp.dtype(q.dtype).name} needs more "
+            f"shared memory per program than the GPU has, even at {_MIN_ROWS} query rows: {over}; "
+            "lower pages_per_step (prepare_attention_metadata) or block_size "
+            f"(EngineConfig.block_size){', or use bfloat16' if is_f32 else ''}"
+        )
     result = _gpu_pallas_call(
         scalars,
         q_blocks,
         jnp.reshape(k_cache, flat),
         jnp.reshape(v_cache, flat),
         num_splits=md.num_kv_splits,
+        row_chunk=chunk,
         interpret=interpret,
         sm_scale=float(sm_scale),
         sliding_window=sliding_window,

@@ -26,6 +26,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -33,6 +34,12 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import metadata, validation
 
 _ROW_MULTIPLE = 8  # sublanes of a TPU vreg: R = block_q * G is padded-free when a multiple of 8
+# Mosaic's default scoped VMEM limit on v5e (v6e: 32 MiB): kernels estimated under it compile with
+# the default; larger ones ask for their estimate plus a quarter (at least v6e's 32 MiB) up to
+# _VMEM_CAP, the VMEM of the smallest current TPU core (v7x: 64 MiB; v5e and v6e have 128 MiB,
+# v5p 95 MiB).
+_DEFAULT_SCOPED_VMEM = 16 << 20
+_VMEM_CAP = 64 << 20
 
 
 def _tpu_kernel(
@@ -135,6 +142,45 @@ def _tpu_kernel(
     o_ref[...] = (acc_scr[...] / jnp.where(denom == 0.0, 1.0, denom)).astype(o_ref.dtype)
 
 
+def _tile_bytes(shape, dtype) -> int:
+    """VMEM bytes of an array under Mosaic's tiling: the last two dims padded to (8 sublanes x
+    the dtype's packing, 128 lanes)."""
+    itemsize = jnp.dtype(dtype).itemsize
+    *lead, rows, cols = shape
+    sublanes = 8 * max(1, 4 // itemsize)
+    padded = -(-rows // sublanes) * sublanes * (-(-cols // 128) * 128)
+    return int(np.prod(lead, dtype=np.int64)) * padded * itemsize
+
+
+def vmem_bytes(num_kv_heads, rows, head_dim, block_size, q_dtype, cache_dtype) -> int:
+    """An upper estimate of the kernel's VMEM: the q and out blocks (double-buffered), the K and V
+    page buffers, the softmax scratch and the [R, block_size] temporaries of one kv head."""
+    q_block = _tile_bytes((num_kv_heads, rows, head_dim), q_dtype)
+    pages = _tile_bytes((2, block_size, num_kv_heads, head_dim), cache_dtype)
+    stats = _tile_bytes((num_kv_heads, rows, 1), jnp.float32)
+    acc = _tile_bytes((num_kv_heads, rows, head_dim), jnp.float32)
+    temps = 8 * _tile_bytes((rows, block_size), jnp.float32)
+    temps += 2 * _tile_bytes((block_size, head_dim), jnp.float32)
+    return 4 * q_block + 2 * pages + 2 * stats + acc + temps
+
+
+def vmem_limit(num_kv_heads, rows, head_dim, block_size, q_dtype, cache_dtype) -> int | None:
+    """The scoped VMEM limit to compile with: None (Mosaic's default) when the estimate fits it;
+    ValueError naming the knobs when it does not fit _VMEM_CAP."""
+    need = vmem_bytes(num_kv_heads, rows, head_dim, block_size, q_dtype, cache_dtype)
+    if need <= _DEFAULT_SCOPED_VMEM:
+        return None
+    if need > _VMEM_CAP:
+        raise ValueError(
+            f"pallas_tpu: {num_kv_heads} kv heads x {rows} query rows x head_dim {head_dim} with "
+            f"pages of block_size={block_size} in {jnp.dtype(cache_dtype).name} need about "
+            f"{need / 2**20:.1f} MiB of VMEM, over the {_VMEM_CAP >> 20} MiB a TPU core has: "
+            "lower block_size (EngineConfig.block_size) or block_q (prepare_attention_metadata), "
+            "shard the kv heads (EngineConfig.tensor_parallel_size), or use bfloat16"
+        )
+    return min(_VMEM_CAP, max(need + need // 4, 2 * _DEFAULT_SCOPED_VMEM))
+
+
 def _tpu_pallas_call(scalars, q_blocks, k_cache, v_cache, *, interpret, **static):
     """pallas_call over grid (NB,); scalars = (layer, tables, seq, q_len, pos, lo, hi).
 
@@ -142,6 +188,7 @@ def _tpu_pallas_call(scalars, q_blocks, k_cache, v_cache, *, interpret, **static
     """
     nb, num_kv_heads, rows, head_dim = q_blocks.shape
     block_size = k_cache.shape[2]
+    limit = vmem_limit(num_kv_heads, rows, head_dim, block_size, q_blocks.dtype, k_cache.dtype)
     block = pl.BlockSpec((None, num_kv_heads, rows, head_dim), lambda b, *_: (b, 0, 0, 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(scalars),
@@ -161,7 +208,9 @@ def _tpu_pallas_call(scalars, q_blocks, k_cache, v_cache, *, interpret, **static
         functools.partial(_tpu_kernel, **static),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct(q_blocks.shape, q_blocks.dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel",), vmem_limit_bytes=limit
+        ),
         interpret=interpret,
         name="ragged_paged_attention_tpu",
     )(*scalars, q_blocks, k_cache, v_cache)

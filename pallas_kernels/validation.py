@@ -289,6 +289,15 @@ def check_tuning(backend, *, block_q, pages_per_step, num_kv_splits) -> None:
     ):
         if value is not None and not _is_positive_int(value):
             raise ValueError(f"{name} must be None or a positive int; got {value!r}")
+    if backend == "pallas_gpu":
+        # Triton's tensors have power-of-two sizes: block_q x the padded group is the tile's row
+        # count, pages_per_step x block_size its kv rows.
+        for name, value in (("block_q", block_q), ("pages_per_step", pages_per_step)):
+            if value is not None and value & (value - 1):
+                raise ValueError(
+                    f"pallas_gpu needs a power-of-two {name} (Triton's tile sizes are powers of "
+                    f"two); got {name}={value}"
+                )
     if pages_per_step is not None and backend == "pallas_tpu":
         raise ValueError("pages_per_step is not a pallas_tpu option (it copies one page a step)")
     if num_kv_splits is not None and backend != "pallas_gpu":
