@@ -161,6 +161,15 @@ class EngineConfig:
         return cls(**kwargs)
 
 
+def resolve_max_model_len(config: EngineConfig, model_context: int) -> int:
+    """max_model_len, or min(the model's context, 4096); longer than the model's context is an error."""
+    max_model_len = config.max_model_len or min(model_context, 4096)
+    if max_model_len > model_context:
+        raise ValueError(f"EngineConfig.max_model_len ({max_model_len}) exceeds the model's "
+                         f"context length ({model_context})")
+    return max_model_len
+
+
 def resolve_dtype(config: EngineConfig, platform: str) -> str:
     if config.dtype is not None:
         return config.dtype

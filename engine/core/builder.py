@@ -11,7 +11,7 @@ import time
 
 import jax
 
-from engine.config import EngineConfig, resolve_dtype, resolve_layer_loop
+from engine.config import EngineConfig, resolve_dtype, resolve_layer_loop, resolve_max_model_len
 from engine.step.buckets import (
     RunnerShapes,
     max_logit_rows,
@@ -99,11 +99,7 @@ def build_parts(config: EngineConfig, *, progress: bool = True, mesh=None, loade
         params = placement.place(loaded.params, loaded.config, dtype=dtype, layer_loop=layer_loop)
         kv_config = placement.layout.local  # per device: its KV heads, after its weight shards
     load_seconds = time.perf_counter() - start
-    limit = loaded.config.max_position_embeddings
-    max_model_len = config.max_model_len or min(limit, 4096)
-    if max_model_len > limit:
-        raise ValueError(f"EngineConfig.max_model_len ({max_model_len}) exceeds the model's "
-                         f"context length ({limit})")
+    max_model_len = resolve_max_model_len(config, loaded.config.max_position_embeddings)
     bs = config.block_size
     max_blocks_per_seq = -(-max_model_len // bs)
     num_blocks = num_blocks_for(

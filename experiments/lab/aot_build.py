@@ -21,7 +21,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
-from engine.config import EngineConfig, resolve_dtype, resolve_layer_loop
+from engine.config import EngineConfig, resolve_dtype, resolve_layer_loop, resolve_max_model_len
 from engine.step.buckets import Bucket, RunnerShapes, resolve_seq_buckets, resolve_token_buckets
 from engine.step.executables import manifest, save_executables
 from engine.step.kv_cache import bytes_per_block
@@ -176,11 +176,7 @@ def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: st
     backend = resolve_backend(config.attention_backend, platform)
     layer_loop = resolve_layer_loop(config, platform)
     placement = Placement.for_mesh(replica_meshes(tp, 1, devices)[0], model) if tp > 1 else None
-    limit = model.max_position_embeddings
-    max_model_len = config.max_model_len or min(limit, 4096)
-    if max_model_len > limit:
-        raise ValueError(f"EngineConfig.max_model_len ({max_model_len}) exceeds the model's "
-                         f"context length ({limit})")
+    max_model_len = resolve_max_model_len(config, model.max_position_embeddings)
     bs = config.block_size
     max_blocks_per_seq = -(-max_model_len // bs)
 
