@@ -40,9 +40,10 @@ class SchedulerConfig:
     # samples) holds more than this many running seats; None = no cap. Work-conserving: with
     # nobody else waiting a group may fill the batch.
     max_seqs_per_group: int | None = None
-    # Most logit rows one step can hold (the runner's largest bucket); only prompt-scoring
-    # requests (Request.prompt_logprobs, one row per prompt position) come near it. None: no cap
-    # beyond the token budget.
+    # Most logit rows one step can hold (the runner's bucket with the most: with its scoring
+    # bucket, a row per token of the largest token bucket, so the token budget binds first); only
+    # prompt-scoring requests (Request.prompt_logprobs, one row per prompt position) come near it.
+    # None: no cap beyond the token budget.
     max_num_logits: int | None = None
 
     def __post_init__(self) -> None:

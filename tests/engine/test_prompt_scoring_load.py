@@ -10,6 +10,7 @@ Through LLM.generate, and through the OpenAI server (in-process) with `echo` + `
 """
 
 import asyncio
+import dataclasses
 import math
 
 import pytest
@@ -48,10 +49,10 @@ def test_the_scoring_bucket_serves_only_steps_no_plain_bucket_holds():
     assert shapes.bucket_for(30, 12, 30) == Bucket(256, 20, 256)  # a scored chunk: L = T
     ready = {shapes.buckets()[-1]}.__contains__  # background compile: the scoring bucket is ready
     assert shapes.bucket_for(30, 12, 30, ready=ready) == Bucket(256, 20, 256)
-    off = RunnerShapes(**{**shapes.__dict__, "prompt_scoring": False})
+    off = dataclasses.replace(shapes, prompt_scoring=False)
     assert off.scoring_bucket is None and off.all_buckets() == off.buckets() and off.max_logits == 20
     # Where the plain largest bucket already has a row per token, there is nothing to add.
-    small = RunnerShapes(**{**shapes.__dict__, "token_buckets": (8, 16)})
+    small = dataclasses.replace(shapes, token_buckets=(8, 16))
     assert small.scoring_bucket is None and small.max_logits == 16
 
 
