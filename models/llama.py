@@ -260,7 +260,8 @@ def forward_paged(
     reduce = (lambda y: y) if tp_axis is None else (lambda y: jax.lax.psum(y, tp_axis))
 
     def attention(q, k, v, k_cache, v_cache, index):  # no weights: compiled once under a scan
-        k_cache, v_cache = write_kv(k_cache, v_cache, k, v, batch.slot_mapping, layer=index)
+        k_cache, v_cache = write_kv(k_cache, v_cache, k, v, batch.slot_mapping, layer=index,
+                                    backend=attention_backend, interpret=interpret)
         attn = ragged_paged_attention(
             q, k_cache, v_cache, md, layer=index, sm_scale=sm_scale,
             sliding_window=config.sliding_window, backend=attention_backend, interpret=interpret)

@@ -45,8 +45,12 @@ def from_bits(x, dtype):
     return x if x.dtype == jnp.dtype(dtype) else jax.lax.bitcast_convert_type(x, dtype)
 
 
-def write_kv(k_cache, v_cache, k, v, slot_mapping, layer=None):
-    """Returns (k_cache, v_cache) with k[t], v[t] at slot_mapping[t] of `layer` (out-of-range dropped)."""
+def write_kv(k_cache, v_cache, k, v, slot_mapping, layer=None, *, backend="xla", interpret=False):
+    """Returns (k_cache, v_cache) with k[t], v[t] at slot_mapping[t] of `layer` (out-of-range dropped).
+
+    backend: the attention backend that reads the cache ("xla", "pallas_tpu", "pallas_gpu"); the
+    write takes the form that keeps the cache in the layout that backend reads.
+    """
     k_cache, v_cache, k, v, slot_mapping = map(jnp.asarray, (k_cache, v_cache, k, v, slot_mapping))
     cache = validation.check_cache(k_cache, v_cache, layer)
     num_tokens = slot_mapping.shape[0] if slot_mapping.ndim == 1 else -1
