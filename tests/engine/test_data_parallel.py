@@ -12,7 +12,8 @@ from engine.sampling_params import SamplingParams
 from tests.engine.conftest import run_to_completion
 
 KNOBS = dict(model="random:tiny-gqa3", max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
-             num_kv_blocks=64, token_buckets=(16, 64), seq_buckets=(8,), compilation_cache_dir=None)
+             num_kv_blocks=64, token_buckets=(16, 64), seq_buckets=(8,), compilation_cache_dir=None,
+             prompt_scoring_bucket=False)
 # One 16-byte block in common ("You are helper #"), then four distinct system prompts.
 SYSTEMS = [f"You are helper #{i} of four, system prompt {i}: be brief, exact and polite. " for i in range(4)]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)

@@ -14,7 +14,7 @@ def test_pallas_interpret_engine_matches_xla(tiny_engine):
     from engine.core.llm_engine import LLMEngine
 
     knobs = dict(TINY_KNOBS, attention_backend="pallas", interpret=True, token_buckets=(1, 16, 64),
-                 seq_buckets=(4,), max_num_seqs=4)
+                 seq_buckets=(4,), max_num_seqs=4, prompt_scoring_bucket=False)
     pallas = LLMEngine(EngineConfig(**knobs), progress=False)
     assert pallas.attention_backend == "pallas_gpu"
     prompts = [[(5 * k + 3) % 250 + 2 for k in range(n)] for n in (7, 23, 40)]

@@ -108,7 +108,8 @@ def test_exit_while_buckets_compile_in_the_background_is_clean(tmp_path):
 
         # The default model's shapes: tiny's compiles end too fast to be caught in one.
         knobs = dict(TINY_KNOBS, model="random:smollm2-135m", token_buckets=(1, 4, 64), seq_buckets=(4,),
-                     max_num_seqs=4, num_kv_blocks=64, background_compile=True)
+                     max_num_seqs=4, num_kv_blocks=64, background_compile=True,
+                     prompt_scoring_bucket=False)
         engine = LLMEngine(EngineConfig(**knobs), progress=False)
         print("BUILT", engine.runner.all_compiled, flush=True)
     """)

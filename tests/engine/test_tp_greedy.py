@@ -32,7 +32,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True,
 # XLA flags.
 KNOBS = dict(model="default", max_num_seqs=8, max_num_batched_tokens=32, max_model_len=112,
              num_kv_blocks=8, token_buckets=(32,), seq_buckets=(8,), compilation_cache_dir=None,
-             stack_layer_weights=True)
+             stack_layer_weights=True, prompt_scoring_bucket=False)
 
 
 @pytest.fixture(scope="module")
