@@ -121,6 +121,19 @@ class ModelRunner:
     def _input_sharding(self):
         return None if self.placement is None else self.placement.replicated
 
+    def _put(self, host: np.ndarray) -> jax.Array:
+        """A host array onto the replica's devices, replicated. On a mesh spanning processes
+        (multi-host), each process places its own copy of the same data (every process builds the
+        same step from the same SchedulerOutput) with no cross-process traffic: jax.device_put onto
+        such a sharding would first run a collective checking the copies are equal, and two
+        processes placing different-sized arrays in a different order (the idle masks of buckets
+        compiled on threads) ran mismatched collectives (gloo: "Received data size doesn't match
+        expected size")."""
+        sharding = self._input_sharding
+        if sharding is None or sharding.is_fully_addressable:
+            return jax.device_put(host, sharding)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
     @property
     def sample_vocab_size(self) -> int:
         return self.shapes.sample_vocab_size
@@ -146,9 +159,10 @@ class ModelRunner:
             futures = {pool.submit(self._compile, bucket): bucket for bucket in todo}
             for future in concurrent.futures.as_completed(futures):
                 self._compiled[futures[future]] = future.result()
-                self._token_mask(futures[future], None)  # the bucket's resident idle mask
                 bar.update()
         bar.close()
+        for bucket in todo:  # in bucket order, the same on every process of a multi-host mesh
+            self._token_mask(bucket, None)  # the bucket's resident idle mask
 
     def compile_in_background(self, progress: bool = True) -> None:
         """Compiles the smallest and the largest bucket (and the scoring bucket, which no other
@@ -230,10 +244,9 @@ class ModelRunner:
         zero buffer per bucket (allocated with the bucket's executable), so unconstrained steps move
         no mask bytes."""
         if built is not None and built.mask is not None:
-            return jax.device_put(built.mask, self._input_sharding)
+            return self._put(built.mask)
         if bucket not in self._idle_masks:
-            self._idle_masks[bucket] = jax.device_put(np.zeros_like(self._layout(bucket).mask),
-                                                      self._input_sharding)
+            self._idle_masks[bucket] = self._put(np.zeros_like(self._layout(bucket).mask))
         return self._idle_masks[bucket]
 
     def execute(self, out: SchedulerOutput) -> StepResult:
@@ -250,7 +263,7 @@ class ModelRunner:
         executable = self._executable(bucket)
         if prof is not None:
             t1 = time.perf_counter()
-            flat = jax.device_put(built.buffer, self._input_sharding).block_until_ready()
+            flat = self._put(built.buffer).block_until_ready()
             mask = self._token_mask(bucket, built).block_until_ready()
             t2 = time.perf_counter()
             self.kv_cache, self.table.state, packed, *hidden = executable(
@@ -260,7 +273,7 @@ class ModelRunner:
         else:
             self.kv_cache, self.table.state, packed, *hidden = executable(
                 self.params, self.kv_cache, self.table.state,
-                jax.device_put(built.buffer, self._input_sharding), self._token_mask(bucket, built))
+                self._put(built.buffer), self._token_mask(bucket, built))
         host = np.asarray(jax.device_get(packed))
         if prof is not None:
             t4 = time.perf_counter()
