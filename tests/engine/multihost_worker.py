@@ -25,6 +25,22 @@ config = EngineConfig(**KNOBS, tensor_parallel_size=4, coordinator_address=f"127
                       num_processes=2, process_id=process_id)
 multihost.initialize(config.coordinator_address, 2, process_id, timeout_s=60, heartbeat_timeout_s=10)
 from engine.core.llm_engine import LLMEngine  # noqa: E402
+from engine.step.model_runner import ModelRunner  # noqa: E402
+
+# The two processes compile their buckets (a plain one and the scoring one) one at a time in
+# opposite orders, as two hosts' compile threads may finish them: nothing a process does while
+# compiling may be a collective (placing each bucket's idle mask once was, and the two processes
+# ran mismatched all-gathers).
+_compile_all = ModelRunner.compile_all
+
+
+def compile_all(self, progress=True, workers=None, buckets=None):
+    order = list(buckets or self.shapes.all_buckets())
+    assert len(order) > 1, order  # the regression needs two buckets
+    return _compile_all(self, progress, workers=1, buckets=order[::-1] if process_id == 1 else order)
+
+
+ModelRunner.compile_all = compile_all
 
 engine = LLMEngine(config, progress=False)
 if process_id == 1:
