@@ -22,7 +22,7 @@ with k_cache, v_cache [L, num_blocks, block_size, Hkv, D]: every layer reads its
 from pallas_kernels import metadata, validation
 from pallas_kernels.gpu import prepare_gpu, ragged_paged_attention_gpu
 from pallas_kernels.tpu import prepare_tpu, ragged_paged_attention_tpu
-from pallas_kernels.xla import prepare_xla, ragged_paged_attention_xla
+from pallas_kernels.xla_forms import prepare_xla, ragged_paged_attention_xla
 
 AttentionMetadata = metadata.AttentionMetadata
 
@@ -43,6 +43,7 @@ def prepare_attention_metadata(
     block_q: int | None = None,
     pages_per_step: int | None = None,
     num_kv_splits: int | None = None,
+    form: str | None = None,
 ) -> AttentionMetadata:
     """The step's AttentionMetadata for `backend`: everything that depends only on the batch.
 
@@ -51,12 +52,15 @@ def prepare_attention_metadata(
     layers whose window is <= W; a model that mixes windowed and full layers prepares with None
     (or prepares once per kind). head_dim, when given, is checked against q on every call.
     block_q, pages_per_step (xla, pallas_gpu) and num_kv_splits (pallas_gpu) override the
-    backend's static choices; None lets the backend choose. Raises ValueError naming the argument
+    backend's static choices; None lets the backend choose. form ("loop" | "split", xla only)
+    overrides the xla path's per-bucket choice of attention form (xla_forms.py). Raises ValueError naming the argument
     and shapes when the inputs break the contract.
     """
     if backend not in validation.BACKENDS:
         raise ValueError(f"backend must be one of {validation.BACKENDS}; got {backend!r}")
     validation.check_sliding_window(sliding_window)
+    if form is not None and backend != "xla":
+        raise ValueError(f"form is an xla option; got form={form!r}, backend={backend!r}")
     validation.check_tuning(
         backend, block_q=block_q, pages_per_step=pages_per_step, num_kv_splits=num_kv_splits
     )
@@ -74,7 +78,11 @@ def prepare_attention_metadata(
     args = (seq_lens, block_tables, query_start_loc, num_seqs, shapes)
     if backend == "xla":
         return prepare_xla(
-            *args, sliding_window=sliding_window, block_q=block_q, pages_per_step=pages_per_step
+            *args,
+            sliding_window=sliding_window,
+            block_q=block_q,
+            pages_per_step=pages_per_step,
+            form=form,
         )
     if backend == "pallas_gpu":
         return prepare_gpu(

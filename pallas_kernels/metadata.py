@@ -140,6 +140,10 @@ class AttentionMetadata:
     pages_per_step: int = _static()  # pages per kv loop step (1 for pallas_tpu)
     num_kv_splits: int = _static()  # pallas_gpu split-K partitions of the kv loop (1: none)
     sliding_window: int | None = _static()  # window the page ranges were cut for (None: full)
+    # The xla path's form (xla_forms.py): "loop" (every query block in one vectorized page loop)
+    # or "split" (blocks / tables above are the one-token rows, `chunks` the prefill chunks).
+    form: str = _static(default="loop")
+    chunks: object = None  # xla_split.ChunkMetadata for form "split", else None
 
     @property
     def group(self) -> int:
@@ -198,15 +202,18 @@ def build_attention_metadata(
     num_kv_splits: int,
     sliding_window: int | None,
     layout_tables,
+    blocks: BlockMetadata | None = None,
 ) -> AttentionMetadata:
     """The backend-independent part of prepare: blocks, page ranges, loop steps.
 
     shapes is a validation.BatchShapes; layout_tables(block_tables int32[S, mb], blocks) returns
-    the backend's `tables` array.
+    the backend's `tables` array. `blocks` replaces the query blocks compute_block_metadata cuts
+    (the xla split form's one-token rows).
     """
-    blocks = compute_block_metadata(
-        seq_lens, query_start_loc, num_seqs, num_tokens=shapes.num_tokens, block_q=block_q
-    )
+    if blocks is None:
+        blocks = compute_block_metadata(
+            seq_lens, query_start_loc, num_seqs, num_tokens=shapes.num_tokens, block_q=block_q
+        )
     lo, hi = kv_page_range(blocks, block_size=shapes.block_size, sliding_window=sliding_window)
     first_step, last_step = loop_step_range(
         blocks,

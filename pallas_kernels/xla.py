@@ -1,10 +1,11 @@
-"""Ragged paged attention in pure jnp: the CPU production path and the kernels' reference.
+"""Ragged paged attention in pure jnp, the loop form: the kernels' reference and the page loop every
+xla form runs (xla_forms.py picks the form per compiled bucket; xla_split.py is the split form).
 
 Layout: q [T, Hq, D]; k_cache, v_cache [L, num_blocks, block_size, Hkv, D] (all layers stacked;
 a single-layer [num_blocks, block_size, Hkv, D] cache is the L = 1 case); the query heads of kv
 head h are h * G .. h * G + G - 1 with G = Hq // Hkv (GQA).
 
-Once per step, `prepare_xla` (through prepare_attention_metadata) cuts the token axis into query
+Once per step, `prepare_loop` (through prepare_attention_metadata) cuts the token axis into query
 blocks of `block_q` rows, each inside one sequence (metadata.py), gives each block its page range,
 and stores the block tables per query block, [NB, max_blocks_per_seq padded to pages_per_step],
 plus the loop's first and last step.
@@ -32,12 +33,7 @@ from pallas_kernels import metadata, validation
 from pallas_kernels.kv_write import as_bits, from_bits
 
 
-def choose_pages_per_step(block_size: int, max_blocks_per_seq: int) -> int:
-    """About 128 kv positions per loop step: fewer, larger gathers and dots on the CPU."""
-    return max(1, min(max_blocks_per_seq, 128 // block_size))
-
-
-def prepare_xla(
+def prepare_loop(
     seq_lens,
     block_tables,
     query_start_loc,
@@ -45,12 +41,13 @@ def prepare_xla(
     shapes: validation.BatchShapes,
     *,
     sliding_window: int | None,
-    block_q: int | None = None,
-    pages_per_step: int | None = None,
+    block_q: int | None,
+    pages_per_step: int,
 ) -> metadata.AttentionMetadata:
-    """The xla path's AttentionMetadata (inputs already validated by prepare_attention_metadata)."""
+    """The loop form's AttentionMetadata (inputs already validated by prepare_attention_metadata;
+    pages_per_step from xla_forms.choose_pages_per_step)."""
     bq = block_q or metadata.choose_block_q(shapes.num_tokens, shapes.max_num_seqs, shapes.group)
-    pps = pages_per_step or choose_pages_per_step(shapes.block_size, shapes.max_blocks_per_seq)
+    pps = pages_per_step
 
     def layout_tables(tables, blocks):  # int32[NB, mb padded to pps]: one row per query block
         return metadata.pad_columns(tables, pps)[blocks.seq_ids]
@@ -71,53 +68,52 @@ def prepare_xla(
     )
 
 
-def ragged_paged_attention_xla(
-    q,
-    k_cache,
-    v_cache,
-    md: metadata.AttentionMetadata,
-    *,
-    layer=None,
-    sm_scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-):
-    """One layer of the jnp path: validates shapes (ValueError) and returns [T, Hq, D] in q.dtype.
+class PagedKV:
+    """One layer's K/V pages as rows of the whole stacked cache (free views, never a copy)."""
 
-    k_cache, v_cache: [L, num_blocks, block_size, Hkv, D] with layer a Python int or a traced
-    int32 scalar in [0, L), or [num_blocks, block_size, Hkv, D] with layer=None.
+    def __init__(self, k_pages, v_pages, page_base, dtype, block_size):
+        self.k_pages, self.v_pages = k_pages, v_pages  # [L * num_blocks, bs, Hkv, D] (bits)
+        self.page_base = page_base  # int (static) or int32[]: layer * num_blocks
+        self.dtype = dtype  # the dtype the pages hold (the float type for a uint16 cache)
+        self.block_size = block_size
+
+    @classmethod
+    def of(cls, k_cache, v_cache, cache: validation.CacheShapes, layer, q_dtype, block_size):
+        page_shape = (cache.num_layers * cache.num_blocks, block_size, cache.num_kv_heads,
+                      cache.head_dim)
+        dtype = jnp.asarray(k_cache).dtype
+        if dtype == jnp.uint16:
+            dtype = q_dtype
+        return cls(jnp.reshape(as_bits(k_cache), page_shape), jnp.reshape(as_bits(v_cache), page_shape),
+                   validation.layer_index(layer) * cache.num_blocks, dtype, block_size)
+
+    def gather(self, ids):
+        """ids int32[..., P] page ids within the layer -> K, V float32 [..., P * bs, Hkv, D]."""
+        ids = ids + self.page_base
+
+        def read(pages):
+            x = from_bits(pages[ids], self.dtype).astype(jnp.float32)
+            return x.reshape(*ids.shape[:-1], ids.shape[-1] * self.block_size, *x.shape[-2:])
+
+        return read(self.k_pages), read(self.v_pages)
+
+
+def page_loop(qb, tables, first_step, last_step, row_pos, row_ok, kv: PagedKV, *, pages_per_step,
+              sliding_window, soft_cap):
+    """Online-softmax attention of query blocks over their pages, pages_per_step pages a step.
+
+    qb float32[NB, bq, Hkv, G, D] (already scaled by sm_scale); tables int32[NB, columns] (a
+    multiple of pages_per_step); loop steps [first_step, last_step) (device values); row_pos,
+    row_ok [NB, bq]: each row's kv position and whether it is real. Returns float32
+    [NB, bq, Hkv, G, D], 0 for rows that see nothing.
     """
-    cache = validation.check_layer_inputs(q, k_cache, v_cache, md, layer, "xla")
-    validation.check_options(sm_scale, sliding_window, soft_cap, "xla")
-    validation.check_window_fits(md, sliding_window)
-    q = jnp.asarray(q)
-    T, Hq, D = q.shape
-    Hkv, G, bq, pps = md.num_kv_heads, md.group, md.block_q, md.pages_per_step
-    nb, num_blocks = md.num_query_blocks, cache.num_blocks
-    kv_step = pps * md.block_size
-    blocks = md.blocks
-    # All layers' pages as rows of one array: free views, never a copy of the cache.
-    page_shape = (cache.num_layers * num_blocks, md.block_size, Hkv, D)
-    k_pages = jnp.reshape(as_bits(k_cache), page_shape)
-    v_pages = jnp.reshape(as_bits(v_cache), page_shape)
-    cache_dtype = jnp.asarray(k_cache).dtype
-    if cache_dtype == jnp.uint16:
-        validation.check_bits_values(q, "q")
-        cache_dtype = q.dtype
-    page_base = validation.layer_index(layer) * num_blocks  # int (static) or int32[] (traced)
-
-    qb = metadata.gather_query_blocks(q, blocks, block_q=bq)  # [NB, bq, Hq, D]
-    qb = qb.astype(jnp.float32).reshape(nb, bq, Hkv, G, D) * jnp.float32(sm_scale)
-    rows = jnp.arange(bq, dtype=jnp.int32)
-    row_pos = blocks.first_pos[:, None] + rows[None, :]  # [NB, bq]
-    row_ok = rows[None, :] < blocks.q_lens[:, None]  # [NB, bq]
+    nb, bq, hkv, g, d = qb.shape
+    kv_step = pages_per_step * kv.block_size
 
     def body(step, carry):
         m, denom, acc = carry
-        ids = jax.lax.dynamic_slice_in_dim(md.tables, step * pps, pps, axis=1)  # [NB, pps]
-        ids = ids + page_base
-        k = from_bits(k_pages[ids], cache_dtype).reshape(nb, kv_step, Hkv, D).astype(jnp.float32)
-        v = from_bits(v_pages[ids], cache_dtype).reshape(nb, kv_step, Hkv, D).astype(jnp.float32)
+        ids = jax.lax.dynamic_slice_in_dim(tables, step * pages_per_step, pages_per_step, axis=1)
+        k, v = kv.gather(ids)  # [NB, kv_step, Hkv, D]
         s = jnp.einsum("nqhgd,nkhd->nqhgk", qb, k)  # [NB, bq, Hkv, G, kv_step]
         if soft_cap is not None:
             s = jnp.float32(soft_cap) * jnp.tanh(s / jnp.float32(soft_cap))
@@ -135,11 +131,28 @@ def ragged_paged_attention_xla(
         return m_new, denom, acc
 
     init = (
-        jnp.full((nb, bq, Hkv, G), -jnp.inf, jnp.float32),
-        jnp.zeros((nb, bq, Hkv, G), jnp.float32),
-        jnp.zeros((nb, bq, Hkv, G, D), jnp.float32),
+        jnp.full((nb, bq, hkv, g), -jnp.inf, jnp.float32),
+        jnp.zeros((nb, bq, hkv, g), jnp.float32),
+        jnp.zeros((nb, bq, hkv, g, d), jnp.float32),
     )
-    _, denom, acc = jax.lax.fori_loop(md.first_step, md.last_step, body, init)
-    out = acc / jnp.where(denom == 0.0, 1.0, denom)[..., None]
+    _, denom, acc = jax.lax.fori_loop(first_step, last_step, body, init)
+    return acc / jnp.where(denom == 0.0, 1.0, denom)[..., None]
+
+
+def blocks_attention(q, kv: PagedKV, md: metadata.AttentionMetadata, *, sm_scale, sliding_window,
+                     soft_cap):
+    """Every query block of md in one vectorized page loop; [T, Hq, D] in q.dtype, zeros for
+    tokens outside md.blocks (padding, and in the split form the chunks' tokens)."""
+    T, Hq, D = q.shape
+    Hkv, G, bq, nb = md.num_kv_heads, md.group, md.block_q, md.num_query_blocks
+    blocks = md.blocks
+    qb = metadata.gather_query_blocks(q, blocks, block_q=bq)  # [NB, bq, Hq, D]
+    qb = qb.astype(jnp.float32).reshape(nb, bq, Hkv, G, D) * jnp.float32(sm_scale)
+    rows = jnp.arange(bq, dtype=jnp.int32)
+    row_pos = blocks.first_pos[:, None] + rows[None, :]  # [NB, bq]
+    row_ok = rows[None, :] < blocks.q_lens[:, None]  # [NB, bq]
+    out = page_loop(qb, md.tables, md.first_step, md.last_step, row_pos, row_ok, kv,
+                    pages_per_step=md.pages_per_step, sliding_window=sliding_window,
+                    soft_cap=soft_cap)
     out = out.reshape(nb, bq, Hq, D).astype(q.dtype)
     return metadata.scatter_query_blocks(out, blocks)

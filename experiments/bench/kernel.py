@@ -1,6 +1,6 @@
 """Paged attention (the `xla` path) against dense attention over a contiguous cache, on the CPU.
 
-    python -m experiments.bench.kernel [--context=1024 --decode_seqs=32 --repeats=30 ...]
+    python -m experiments.bench.kernel [--contexts=190,1024 --forms=auto,loop,split --repeats=30 ...]
 
 Both sides compute the same attention for the same batch; only the KV memory layout differs:
   paged  pallas_kernels.prepare_attention_metadata + ragged_paged_attention(backend="xla"): flat
@@ -14,9 +14,13 @@ Both sides compute the same attention for the same batch; only the KV memory lay
          prefill chunks as [S, chunk]. That is the best case for dense (no ragged padding).
 Shapes: "decode" (decode_seqs sequences, one token each) and "mixed" (the same decodes plus
 prefill_seqs chunks of prefill_chunk tokens in one flat batch). Contexts are uniform in
-[context / 2, context]. Times are medians of `repeats` interleaved runs (paged, dense, paged, ...)
-after a warm-up; the ratio paged / dense is the number to watch (goal: <= 1.2). A quick run:
---repeats=5.
+[context / 2, context], one line per context of --contexts. The block tables are
+--max_model_len / block_size wide when that is set (what the engine's buckets carry: the longest
+context the bucket allows), else the longest context's pages. Forms (--forms, the xla path's,
+pallas_kernels/xla_forms.py): "auto" (the bucket's rule), "loop", "split", and "loop128" (the loop
+form with 128 kv positions a step, the path before the forms). Times are medians of `repeats`
+interleaved runs (every form and dense in turn) after a warm-up; the ratio form / dense is the
+number to watch. A quick run: --repeats=5.
 """
 
 import functools
@@ -31,7 +35,9 @@ from pallas_kernels import prepare_attention_metadata, ragged_paged_attention
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("shapes", ["decode", "mixed"], "Which batches to time: decode, mixed.")
-flags.DEFINE_integer("context", 1024, "Longest kv context; contexts are uniform in [c/2, c].")
+flags.DEFINE_list("contexts", ["1024"], "Longest kv contexts; contexts are uniform in [c/2, c].")
+flags.DEFINE_integer("max_model_len", 0, "Block-table width in tokens (0: the longest context).")
+flags.DEFINE_list("forms", ["auto", "loop", "split"], "xla forms to time: auto, loop, split, loop128.")
 flags.DEFINE_integer("decode_seqs", 32, "Decoding sequences (one query token each).")
 flags.DEFINE_integer("prefill_seqs", 2, "Prefill chunks in the mixed batch.")
 flags.DEFINE_integer("prefill_chunk", 128, "Tokens per prefill chunk in the mixed batch.")
@@ -44,8 +50,9 @@ flags.DEFINE_integer("repeats", 30, "Timed runs per implementation.")
 flags.DEFINE_integer("seed", 0, "Random seed.")
 
 
-def make_batch(rng, q_lens, kv_lens, *, hq, hkv, d, block_size, dtype):
-    """Paged and contiguous copies of the same K/V, plus flat and per-sequence queries."""
+def make_batch(rng, q_lens, kv_lens, *, hq, hkv, d, block_size, dtype, max_model_len=0):
+    """Paged and contiguous copies of the same K/V, plus flat and per-sequence queries; the block
+    tables are max(max_model_len, longest context) // block_size pages wide."""
     num_seqs = len(q_lens)
     longest = -(-max(kv_lens) // block_size) * block_size
     k_dense = rng.normal(size=(num_seqs, longest, hkv, d)).astype(np.float32)
@@ -54,6 +61,7 @@ def make_batch(rng, q_lens, kv_lens, *, hq, hkv, d, block_size, dtype):
     num_blocks = 1 + num_seqs * pages_per_seq
     block_ids = 1 + rng.permutation(num_seqs * pages_per_seq)  # shuffled pool, block 0 is null
     block_tables = block_ids.reshape(num_seqs, pages_per_seq).astype(np.int32)
+    wide = max(0, -(-max_model_len // block_size) - pages_per_seq)
     k_pages = np.zeros((num_blocks, block_size, hkv, d), np.float32)
     v_pages = np.zeros((num_blocks, block_size, hkv, d), np.float32)
     k_pages[block_tables] = k_dense.reshape(num_seqs, pages_per_seq, block_size, hkv, d)
@@ -66,7 +74,7 @@ def make_batch(rng, q_lens, kv_lens, *, hq, hkv, d, block_size, dtype):
         k_cache=cast(k_pages),  # one layer: [num_blocks, block_size, Hkv, D], layer=None
         v_cache=cast(v_pages),
         seq_lens=jnp.asarray(kv_lens, jnp.int32),
-        block_tables=jnp.asarray(block_tables),
+        block_tables=jnp.asarray(np.pad(block_tables, ((0, 0), (0, wide)))),
         query_start_loc=jnp.asarray(qsl),
         num_seqs=jnp.int32(num_seqs),
     )
@@ -114,25 +122,41 @@ def time_interleaved(fns, repeats):
     return [float(np.median(t)) for t in times]
 
 
+FORM_OPTIONS = {
+    "auto": {},
+    "loop": dict(form="loop"),
+    "split": dict(form="split"),
+    "loop128": dict(form="loop", pages_per_step=0),  # 0: 128 kv positions, set per block size
+}
+
+
+def batch_shapes(context: int, rng):
+    """{name: (q_lens, kv_lens)} of the decode and mixed batches at one context."""
+    decode_kv = rng.integers(context // 2, context + 1, FLAGS.decode_seqs).tolist()
+    prefill_kv = rng.integers(
+        max(context // 2, FLAGS.prefill_chunk), max(context, FLAGS.prefill_chunk) + 1, FLAGS.prefill_seqs
+    ).tolist()
+    return {
+        "decode": ([1] * FLAGS.decode_seqs, decode_kv),
+        "mixed": ([1] * FLAGS.decode_seqs + [FLAGS.prefill_chunk] * FLAGS.prefill_seqs,
+                  decode_kv + prefill_kv),
+    }
+
+
 def main(argv):
     del argv
     rng = np.random.default_rng(FLAGS.seed)
     dtype = jnp.dtype(FLAGS.dtype)
     sm_scale = FLAGS.head_dim**-0.5
-    decode_kv = rng.integers(FLAGS.context // 2, FLAGS.context + 1, FLAGS.decode_seqs).tolist()
-    shapes = {
-        "decode": ([1] * FLAGS.decode_seqs, decode_kv),
-        "mixed": (
-            [1] * FLAGS.decode_seqs + [FLAGS.prefill_chunk] * FLAGS.prefill_seqs,
-            decode_kv
-            + rng.integers(
-                max(FLAGS.context // 2, FLAGS.prefill_chunk), FLAGS.context + 1, FLAGS.prefill_seqs
-            ).tolist(),
-        ),
-    }
+    for form in FLAGS.forms:
+        if form not in FORM_OPTIONS:
+            raise ValueError(f"--forms takes {sorted(FORM_OPTIONS)}; got {form!r}")
 
-    def prepare(b):
+    def prepare(b, form):
         T, hq, d = b["q"].shape
+        options = dict(FORM_OPTIONS[form])
+        if options.get("pages_per_step") == 0:
+            options["pages_per_step"] = max(1, 128 // FLAGS.block_size)
         return prepare_attention_metadata(
             b["seq_lens"],
             b["block_tables"],
@@ -144,6 +168,7 @@ def main(argv):
             block_size=b["k_cache"].shape[-3],
             backend="xla",
             head_dim=d,
+            **options,
         )
 
     def layer(b, md):
@@ -151,9 +176,8 @@ def main(argv):
             b["q"], b["k_cache"], b["v_cache"], md, sm_scale=sm_scale, backend="xla"
         )
 
-    paged_fn = jax.jit(lambda b: layer(b, prepare(b)))  # the step's metadata + one layer
-    prepare_fn = jax.jit(prepare)
-    layer_fn = jax.jit(layer)  # one layer, metadata prepared outside
+    prepare_fns = {f: jax.jit(functools.partial(prepare, form=f)) for f in FLAGS.forms}
+    layer_fn = jax.jit(layer)  # one layer, metadata prepared outside (the form is in md)
     dense_fn = jax.jit(
         lambda groups: [
             dense_attention(g["q"], g["k"], g["v"], g["seq_lens"], sm_scale=sm_scale)
@@ -163,47 +187,41 @@ def main(argv):
     print(
         f"jax {jax.__version__} on {jax.devices()[0].platform}; Hq={FLAGS.num_q_heads} "
         f"Hkv={FLAGS.num_kv_heads} D={FLAGS.head_dim} block_size={FLAGS.block_size} "
-        f"dtype={FLAGS.dtype} repeats={FLAGS.repeats}"
+        f"dtype={FLAGS.dtype} repeats={FLAGS.repeats} max_model_len={FLAGS.max_model_len}"
     )
-    print(
-        f"{'shape':8} {'T':>5} {'S':>4} {'max_kv':>7} {'paged ms':>9} {'layer ms':>9} "
-        f"{'dense ms':>9} {'ratio':>6}"
-    )
-    for name in FLAGS.shapes:
-        q_lens, kv_lens = shapes[name]
-        paged, groups = make_batch(
-            rng,
-            q_lens,
-            kv_lens,
-            hq=FLAGS.num_q_heads,
-            hkv=FLAGS.num_kv_heads,
-            d=FLAGS.head_dim,
-            block_size=FLAGS.block_size,
-            dtype=dtype,
-        )
-        out_paged = paged_fn(paged)
-        md = prepare_fn(paged)
-        np.testing.assert_array_equal(np.asarray(layer_fn(paged, md)), np.asarray(out_paged))
-        out_dense = jnp.concatenate([o.reshape(-1, *o.shape[2:]) for o in dense_fn(groups)], axis=0)
-        # Same answer (dense groups are ordered decodes first, as the flat batch is).
-        np.testing.assert_allclose(
-            np.asarray(out_paged, np.float32),
-            np.asarray(out_dense, np.float32),
-            atol=2e-2 if FLAGS.dtype == "bfloat16" else 1e-4,
-        )
-        paged_s, layer_s, dense_s = time_interleaved(
-            [
-                functools.partial(paged_fn, paged),
-                functools.partial(layer_fn, paged, md),
-                functools.partial(dense_fn, groups),
-            ],
-            FLAGS.repeats,
-        )
-        print(
-            f"{name:8} {len(paged['q']):5d} {len(q_lens):4d} {max(kv_lens):7d} "
-            f"{paged_s * 1e3:9.3f} {layer_s * 1e3:9.3f} {dense_s * 1e3:9.3f} "
-            f"{paged_s / dense_s:6.2f}"
-        )
+    print("per-layer ms (metadata prepared outside); ratio = form / dense")
+    print(f"{'shape':8} {'T':>5} {'S':>4} {'max_kv':>7} {'dense':>8} "
+          + " ".join(f"{f:>8} {'ratio':>6}" for f in FLAGS.forms))
+    for context in (int(c) for c in FLAGS.contexts):
+        for name, (q_lens, kv_lens) in batch_shapes(context, rng).items():
+            if name not in FLAGS.shapes:
+                continue
+            paged, groups = make_batch(
+                rng, q_lens, kv_lens, hq=FLAGS.num_q_heads, hkv=FLAGS.num_kv_heads,
+                d=FLAGS.head_dim, block_size=FLAGS.block_size, dtype=dtype,
+                max_model_len=FLAGS.max_model_len,
+            )
+            mds = {f: prepare_fns[f](paged) for f in FLAGS.forms}
+            out_dense = jnp.concatenate([o.reshape(-1, *o.shape[2:]) for o in dense_fn(groups)], axis=0)
+            for f, md in mds.items():  # same answer (dense groups are decodes first, as the batch)
+                np.testing.assert_allclose(
+                    np.asarray(layer_fn(paged, md), np.float32),
+                    np.asarray(out_dense, np.float32),
+                    atol=2e-2 if FLAGS.dtype == "bfloat16" else 1e-4,
+                    err_msg=f"form {f}",
+                )
+            times = time_interleaved(
+                [functools.partial(dense_fn, groups)]
+                + [functools.partial(layer_fn, paged, md) for md in mds.values()],
+                FLAGS.repeats,
+            )
+            dense_s = times[0]
+            print(
+                f"{name:8} {len(paged['q']):5d} {len(q_lens):4d} {max(kv_lens):7d} "
+                f"{dense_s * 1e3:8.3f} "
+                + " ".join(f"{t * 1e3:8.3f} {t / dense_s:6.2f}" for t in times[1:]),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
