@@ -16,7 +16,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from models.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
+from models.config import ModelConfig, RopeScaling
+
+# The architectures whose GGUF tensors and metadata this reader maps (the Llama family's); the
+# newer families load from Hugging Face folders.
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
 _READ = {
     "context_length", "embedding_length", "block_count", "feed_forward_length", "vocab_size",

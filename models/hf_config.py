@@ -21,19 +21,17 @@ import logging
 import os
 
 from models.config import ROPE_SCALING_TYPES, SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
+from models.families import FAMILIES
 
 log = logging.getLogger(__name__)
 
-# What transformers' LlamaConfig / MistralConfig / Qwen2Config give a field that config.json omits
-# (checked against transformers 4.57 and 5.24). `qkv_bias`: Qwen2's q/k/v projections always have
-# a bias; `window`: whether the family reads `sliding_window` without `use_sliding_window`.
+# What transformers' config class of each family gives a field that config.json omits (checked
+# against transformers 4.57 and 5.24; models/families/ declares them). `qkv_bias`: Qwen2's q/k/v
+# projections always have a bias.
 FAMILY_DEFAULTS = {
-    "llama": dict(max_position_embeddings=2048, rms_norm_eps=1e-6, sliding_window=None,
-                  qkv_bias=False, architectures=("LlamaForCausalLM",)),
-    "mistral": dict(max_position_embeddings=131072, rms_norm_eps=1e-6, sliding_window=4096,
-                    qkv_bias=False, architectures=("MistralForCausalLM",)),
-    "qwen2": dict(max_position_embeddings=32768, rms_norm_eps=1e-6, sliding_window=None,
-                  qkv_bias=True, architectures=("Qwen2ForCausalLM",)),
+    name: dict(max_position_embeddings=f.max_position_embeddings, rms_norm_eps=f.rms_norm_eps,
+               sliding_window=f.sliding_window, qkv_bias=f.qkv_bias, architectures=f.architectures)
+    for name, f in FAMILIES.items()
 }
 # The activations of a SwiGLU MLP (transformers maps "swish" to SiLU too).
 SILU = ("silu", "swish")
@@ -56,7 +54,10 @@ IGNORED_FIELDS = frozenset({
     "is_encoder_decoder", "is_decoder", "cross_attention_hidden_size", "add_cross_attention",
     "tie_encoder_decoder", "finetuning_task", "id2label", "label2id", "task_specific_params",
     "problem_type", "tokenizer_class", "prefix", "tf_legacy_loss", "use_bfloat16",
-    "unsloth_version", "num_labels",
+    "unsloth_version", "num_labels", "cache_implementation",
+    # Mixtures of experts: training only (the router's auxiliary loss, its jitter noise, which
+    # transformers applies only in training, and returning router logits).
+    "router_aux_loss_coef", "router_jitter_noise", "output_router_logits",
     # Token ids: the tokenizer's business (text/), not the forward pass's.
     "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id",
     # Generation defaults (requests carry their own sampling parameters).
@@ -104,8 +105,8 @@ def _layer_kinds(config: dict, model_type: str, num_layers: int) -> tuple[list[s
     if model_type == "llama" and window is not None:
         raise _refuse("sliding_window", window, "llama attention has no window (transformers "
                       "ignores the field there; say model_type 'mistral' for a windowed model)")
-    if model_type == "qwen2":
-        # Qwen2 slides only with use_sliding_window, and then only layers >= max_window_layers.
+    if model_type in ("qwen2", "qwen3", "qwen3_moe"):
+        # Qwen2/3 slide only with use_sliding_window, and then only layers >= max_window_layers.
         if not config.get("use_sliding_window", False):
             window = None
         elif window is not None:
@@ -119,10 +120,21 @@ def _layer_kinds(config: dict, model_type: str, num_layers: int) -> tuple[list[s
         raise _refuse("use_sliding_window", False,
                       f"{model_type} has no switch for its sliding_window={window}")
     default_kind = "full_attention" if window is None else "sliding_attention"
-    kinds = config.get("layer_types") or [default_kind] * num_layers
+    kinds = config.get("layer_types")
+    if not kinds and FAMILIES[model_type].mixed_layers:
+        from models.families.gemma import default_layer_types
+
+        kinds = default_layer_types(config, model_type, num_layers)
+    kinds = kinds or [default_kind] * num_layers
     if len(kinds) != num_layers or any(k not in _LAYER_KINDS for k in kinds):
         raise _refuse("layer_types", kinds,
                       f"expected {num_layers} entries among {', '.join(_LAYER_KINDS)}")
+    if len(set(kinds)) > 1 and FAMILIES[model_type].mixed_layers:
+        if window is None:
+            raise _refuse("layer_types", "sliding_attention", "no sliding_window is given")
+        if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+            raise _refuse("sliding_window", window, "expected a positive integer or null")
+        return kinds, window
     if len(set(kinds)) > 1:
         raise _refuse("layer_types", sorted(set(kinds)),
                       "mixed local and global layers are not implemented for "
@@ -136,10 +148,12 @@ def _layer_kinds(config: dict, model_type: str, num_layers: int) -> tuple[list[s
     return kinds, window
 
 
-def _rope_entry(config: dict, kinds: list[str]) -> tuple[dict, str]:
-    """The one RoPE entry the model's layers use, and the field it came from."""
+def _rope_entry(config: dict, kinds: list[str], kind: str | None = None) -> tuple[dict, str]:
+    """The one RoPE entry the model's layers (or those of `kind`) use, and its field."""
     params = config.get("rope_parameters")
     if params is None:
+        if kind == "sliding_attention" and "rope_local_base_freq" in config:
+            return {"rope_theta": config["rope_local_base_freq"]}, "rope_local_base_freq"
         entry = dict(config.get("rope_scaling") or {})
         if "rope_theta" in config:
             entry.setdefault("rope_theta", config["rope_theta"])
@@ -148,7 +162,7 @@ def _rope_entry(config: dict, kinds: list[str]) -> tuple[dict, str]:
         raise _refuse("rope_parameters", params, "expected an object")
     if set(params) & set(_LAYER_KINDS) and all(isinstance(v, dict) for v in params.values()):
         # One entry per layer type (transformers 5 writes this for models with several kinds).
-        used = sorted(set(kinds))
+        used = sorted(set(kinds)) if kind is None else [kind]
         missing = [k for k in used if k not in params]
         if missing:
             raise _refuse("rope_parameters", sorted(params), f"no entry for layer type {missing[0]}")
@@ -157,6 +171,9 @@ def _rope_entry(config: dict, kinds: list[str]) -> tuple[dict, str]:
             raise _refuse("rope_parameters", params, "different RoPE per layer type is not implemented")
         params = entries[0]
     entry = dict(params)
+    if kind == "sliding_attention" and "rope_local_base_freq" in config:
+        entry["rope_theta"] = config["rope_local_base_freq"]
+        return entry, "rope_parameters"
     top = config.get("rope_theta")
     if top is not None and "rope_theta" in entry and float(top) != float(entry["rope_theta"]):
         raise ValueError(f"config.json: rope_theta={top!r} and rope_parameters.rope_theta="
@@ -166,8 +183,8 @@ def _rope_entry(config: dict, kinds: list[str]) -> tuple[dict, str]:
     return entry, "rope_parameters"
 
 
-def _rope(config: dict, kinds: list[str]) -> tuple[float, RopeScaling | None]:
-    entry, field = _rope_entry(config, kinds)
+def _rope(config: dict, kinds: list[str], kind: str | None = None) -> tuple[float, RopeScaling | None]:
+    entry, field = _rope_entry(config, kinds, kind)
     rope_type = entry.get("rope_type", entry.get("type", "default"))
     if rope_type not in _ROPE_KEYS:
         raise _refuse(f"{field}.rope_type", rope_type,
@@ -195,16 +212,18 @@ def _rope(config: dict, kinds: list[str]) -> tuple[float, RopeScaling | None]:
 
 
 def _check_unsupported(config: dict, model_type: str) -> None:
-    act = config.get("hidden_act", "silu")
-    if act not in SILU:
-        raise _refuse("hidden_act", act, f"{model_type}'s MLP is SwiGLU (hidden_act 'silu')")
+    family = FAMILIES[model_type]
+    act = config.get("hidden_act", family.activations[0])
+    if act not in family.activations:
+        what = "SwiGLU (hidden_act 'silu')" if family.activations == SILU else "GeGLU (gelu_pytorch_tanh)"
+        raise _refuse("hidden_act", act, f"{model_type}'s MLP is {what}")
     if config.get("mlp_bias"):
         raise _refuse("mlp_bias", True, "MLP biases are not implemented")
     if model_type != "qwen2" and config.get("attention_bias"):
         raise _refuse("attention_bias", True,
                       f"{model_type} with attention_bias also biases o_proj, which is not implemented")
     for field in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if config.get(field) is not None:
+        if config.get(field) is not None and field not in family.fields:
             raise _refuse(field, config[field], f"{model_type} has no soft-capping")
     if config.get("quantization_config"):
         method = config["quantization_config"].get("quant_method", config["quantization_config"])
@@ -216,7 +235,7 @@ def _check_unsupported(config: dict, model_type: str) -> None:
 def config_from_hf(config: dict, name: str = "hf", *, strict_unknown: bool = False) -> ModelConfig:
     """A ModelConfig from a parsed config.json; ValueError naming any field it cannot honour."""
     model_type = _architecture(config)
-    unknown = sorted(set(config) - READ_FIELDS - IGNORED_FIELDS)
+    unknown = sorted(set(config) - READ_FIELDS - IGNORED_FIELDS - FAMILIES[model_type].fields)
     if unknown:
         message = f"config.json: unknown field(s) {', '.join(unknown)} (not read by jaxserve)"
         if strict_unknown:
@@ -228,7 +247,16 @@ def config_from_hf(config: dict, name: str = "hf", *, strict_unknown: bool = Fal
     hidden = config["hidden_size"]
     num_layers = config["num_hidden_layers"]
     kinds, window = _layer_kinds(config, model_type, num_layers)
-    rope_theta, rope_scaling = _rope(config, kinds)
+    family = FAMILIES[model_type]
+    extra = family.read(config)
+    if len(set(kinds)) > 1:  # each kind its own RoPE (Gemma 3's local base)
+        rope_theta, rope_scaling = _rope(config, kinds, "full_attention")
+        local_theta, local_scaling = _rope(config, kinds, "sliding_attention")
+        extra.update(layer_types=tuple(kinds), local_rope_theta=local_theta,
+                     local_rope_scaling=local_scaling)
+    else:
+        only = kinds[0] if family.mixed_layers else None  # Gemma: all-local layers use the local RoPE
+        rope_theta, rope_scaling = _rope(config, kinds, only)
     return ModelConfig(
         name=name,
         architecture=model_type,
@@ -246,6 +274,7 @@ def config_from_hf(config: dict, name: str = "hf", *, strict_unknown: bool = Fal
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         attention_bias=defaults["qkv_bias"],
         sliding_window=window,
+        **extra,
     )
 
 

@@ -12,18 +12,9 @@ import os
 import numpy as np
 from tqdm.auto import tqdm
 
+from models.families import FAMILIES
 from models.hf_config import read_hf_config
 from models.weights import layer_from_matrices, to_device
-
-_LAYER_TENSORS = {
-    "input_layernorm.weight": "attn_norm", "self_attn.q_proj.weight": "q",
-    "self_attn.k_proj.weight": "k", "self_attn.v_proj.weight": "v",
-    "self_attn.o_proj.weight": "o", "post_attention_layernorm.weight": "mlp_norm",
-    "mlp.gate_proj.weight": "gate", "mlp.up_proj.weight": "up", "mlp.down_proj.weight": "down",
-    "self_attn.q_proj.bias": "q_bias", "self_attn.k_proj.bias": "k_bias",
-    "self_attn.v_proj.bias": "v_bias",
-}
-
 
 def safetensors_files(folder: str) -> dict[str, str]:
     """Tensor name -> shard path, from model.safetensors.index.json or the lone shard(s)."""
@@ -87,13 +78,16 @@ def load_hf_folder(folder: str | os.PathLike, *, dtype: str = "float32", progres
         return tensors[name]
 
     used = {"model.embed_tokens.weight", "model.norm.weight"}
+    family = FAMILIES[config.architecture]
     layers = []
     for i in range(config.num_layers):
         prefix = f"model.layers.{i}."
-        m = {ours: tensors[prefix + hf] for hf, ours in _LAYER_TENSORS.items() if prefix + hf in tensors}
+        m = {ours: tensors[prefix + hf] for hf, ours in family.tensors.items() if prefix + hf in tensors}
         if not config.attention_bias:
             m = {k: v for k, v in m.items() if not k.endswith("_bias")}
-        used.update(prefix + hf for hf, ours in _LAYER_TENSORS.items() if ours in m)
+        used.update(prefix + hf for hf, ours in family.tensors.items() if ours in m)
+        if family.experts is not None:
+            m.update(_experts(tensors, prefix, family.experts, config.num_experts, used, folder))
         layers.append(to_device(layer_from_matrices(config, m, f"{folder}: layer {i}"), dtype, host=host))
     params = {"embed": get("model.embed_tokens.weight"), "final_norm": get("model.norm.weight")}
     embed_shape = (config.vocab_size, config.hidden_size)
@@ -121,3 +115,25 @@ def load_hf_folder(folder: str | os.PathLike, *, dtype: str = "float32", progres
     params = to_device(params, dtype, host=host)
     params["layers"] = layers
     return config, params
+
+
+def _experts(tensors: dict, prefix: str, spec: tuple, num_experts: int, used: set, folder: str) -> dict:
+    """A layer's router and its per-expert matrices stacked [E, out, in] (Hugging Face saves one
+    tensor per expert and projection)."""
+    expert_prefix, names, router = spec
+    out = {}
+    if prefix + router in tensors:
+        out["router"] = tensors[prefix + router]
+        used.add(prefix + router)
+    for hf, ours in names.items():
+        mats = []
+        for j in range(num_experts):
+            name = prefix + expert_prefix.format(j=j) + hf
+            if name not in tensors:
+                raise ValueError(f"{folder}: missing tensor {name} (expert {j} of {num_experts})")
+            mats.append(tensors[name])
+            used.add(name)
+        if len({m.shape for m in mats}) > 1:
+            raise ValueError(f"{folder}: the experts' {hf} tensors of {prefix} differ in shape")
+        out[f"experts_{ours}"] = np.stack(mats)
+    return out

@@ -42,8 +42,8 @@ def random_params(config: ModelConfig, *, seed: int = 0, dtype: str = "float32",
     def normal(shape, fan_in):
         return draw(shape, 1.0 / np.sqrt(fan_in), 0.0)
 
-    def norm_weight():
-        return draw((e,), 0.1, 1.0)
+    def norm_weight(size=e):  # the norm's scale near 1 (offset + weight)
+        return draw((size,), 0.1, 1.0 - config.norm_offset)
 
     layers = []
     for _ in range(config.num_layers):
@@ -54,10 +54,22 @@ def random_params(config: ModelConfig, *, seed: int = 0, dtype: str = "float32",
             "wv": normal((e, k, d), e),
             "wo": normal((h, d, e), h * d * config.num_layers),
             "mlp_norm": norm_weight(),
-            "w_gate": normal((e, f), e),
-            "w_up": normal((e, f), e),
-            "w_down": normal((f, e), f * config.num_layers),
         }
+        if config.num_experts:
+            n, fe = config.num_experts, config.expert_size
+            layer["router"] = normal((n, e), e)
+            layer["experts_gate_up"] = normal((n, 2 * fe, e), e)
+            layer["experts_down"] = normal((n, e, fe), fe * config.num_layers)
+        else:
+            layer["w_gate"] = normal((e, f), e)
+            layer["w_up"] = normal((e, f), e)
+            layer["w_down"] = normal((f, e), f * config.num_layers)
+        if config.qk_norm:
+            layer["q_norm"] = norm_weight(d)
+            layer["k_norm"] = norm_weight(d)
+        if config.sandwich_norms:
+            layer["post_attn_norm"] = norm_weight()
+            layer["post_mlp_norm"] = norm_weight()
         if config.attention_bias:
             layer["bq"] = normal((h, d), 16.0)
             layer["bk"] = normal((k, d), 16.0)

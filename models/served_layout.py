@@ -45,10 +45,11 @@ def served_layer(layer: dict, xp=jnp) -> dict:
     out["qkv_proj"] = xp.swapaxes(flat_qkv, -1, -2)
     out["o_proj"] = xp.swapaxes(xp.reshape(layer["wo"], lead + (-1, layer["wo"].shape[-1])), -1, -2)
     gate_up = layer.get("w_gate_up")
-    if gate_up is None:
+    if gate_up is None and "w_gate" in layer:
         gate_up = xp.concatenate([layer["w_gate"], layer["w_up"]], axis=-1)
-    out["gate_up_proj"] = xp.swapaxes(gate_up, -1, -2)  # [(n,) e, 2f] -> [(n,) 2f, e]
-    out["down_proj"] = xp.swapaxes(layer["w_down"], -1, -2)  # [(n,) f, e] -> [(n,) e, f]
+    if gate_up is not None:  # a mixture of experts keeps its (already out-major) expert weights
+        out["gate_up_proj"] = xp.swapaxes(gate_up, -1, -2)  # [(n,) e, 2f] -> [(n,) 2f, e]
+        out["down_proj"] = xp.swapaxes(layer["w_down"], -1, -2)  # [(n,) f, e] -> [(n,) e, f]
     bqkv = layer.get("bqkv")
     if bqkv is None and "bq" in layer:
         bqkv = xp.concatenate([layer["bq"], layer["bk"], layer["bv"]], axis=-2)

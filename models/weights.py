@@ -38,10 +38,24 @@ def layer_from_matrices(config: ModelConfig, m: dict[str, np.ndarray], where: st
         "wv": take("v", (k * d, e)).T.reshape(e, k, d),
         "wo": take("o", (e, h * d)).T.reshape(h, d, e),
         "mlp_norm": take("mlp_norm", (e,)),
-        "w_gate": take("gate", (f, e)).T,
-        "w_up": take("up", (f, e)).T,
-        "w_down": take("down", (e, f)).T,
     }
+    if config.num_experts:
+        n, fe = config.num_experts, config.expert_size
+        layer["router"] = take("router", (n, e))
+        # Per-expert [out, in] matrices stacked: gate rows then up rows, as the served layout.
+        layer["experts_gate_up"] = np.concatenate([take("experts_gate", (n, fe, e)),
+                                                   take("experts_up", (n, fe, e))], axis=1)
+        layer["experts_down"] = take("experts_down", (n, e, fe))
+    else:
+        layer["w_gate"] = take("gate", (f, e)).T
+        layer["w_up"] = take("up", (f, e)).T
+        layer["w_down"] = take("down", (e, f)).T
+    if config.qk_norm:
+        layer["q_norm"] = take("q_norm", (d,))
+        layer["k_norm"] = take("k_norm", (d,))
+    if config.sandwich_norms:
+        layer["post_attn_norm"] = take("post_attn_norm", (e,))
+        layer["post_mlp_norm"] = take("post_mlp_norm", (e,))
     if config.attention_bias:
         layer["bq"] = take("q_bias", (h * d,)).reshape(h, d)
         layer["bk"] = take("k_bias", (k * d,)).reshape(k, d)
