@@ -26,6 +26,7 @@ from models.llama import forward_dense
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "hf_family"
 REFERENCE = json.loads((FIXTURES / "reference.json").read_text())
 NAMES = sorted(REFERENCE["models"])
+pytestmark = pytest.mark.usefixtures("fast_compile")  # tiny shapes: -O0 (tests/conftest.py)
 PAD = 32  # one padded length for every prompt (causal: padding changes nothing before it)
 
 
@@ -79,3 +80,5 @@ def test_engine_serves_transformers_greedy_tokens(name):
     outs = llm.generate(prompts + prompts[:1], params, use_tqdm=False)
     want = REFERENCE["greedy"][name]
     assert [o.outputs[0].token_ids for o in outs] == want + want[:1]
+    stats = llm.engine.scheduler.stats
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
