@@ -54,6 +54,7 @@ class EngineConfig:
     background_compile: bool = False  # with precompile: compile the smallest and largest buckets at start-up and the rest on a background thread (steps pad to a compiled bucket meanwhile); make serve turns it on
     tensor_parallel_size: int = 1  # devices one model is split over (the mesh's "model" axis)
     data_parallel_size: int = 1  # replicas, each on its own tensor_parallel_size devices ("data")
+    expert_parallel_size: int = 1  # a mixture of experts: the tensor_parallel_size devices form this many expert groups, each holding num_experts / expert_parallel_size experts (their MLP width split over the group's devices); attention, embeddings and head stay split over all tensor_parallel_size devices; 1: every device holds every expert's slice
     coordinator_address: str | None = None  # multi-host (jax.distributed): HOST:PORT of process 0's coordinator
     num_processes: int = 1  # multi-host: processes in the mesh (one per host)
     process_id: int = 0  # multi-host: this process (0 schedules and serves; the others follow)
@@ -88,6 +89,11 @@ class EngineConfig:
         _positive("max_logprobs", self.max_logprobs)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         _positive("data_parallel_size", self.data_parallel_size)
+        _positive("expert_parallel_size", self.expert_parallel_size)
+        if self.tensor_parallel_size % self.expert_parallel_size:
+            raise ValueError(f"EngineConfig.expert_parallel_size={self.expert_parallel_size} must divide "
+                             f"tensor_parallel_size={self.tensor_parallel_size} (the expert groups are "
+                             "made of the tensor-parallel devices)")
         _positive("num_processes", self.num_processes)
         if isinstance(self.process_id, bool) or not isinstance(self.process_id, int) or not (
                 0 <= self.process_id < self.num_processes):

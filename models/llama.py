@@ -87,11 +87,11 @@ def served_product(name: str, *args, w):
 class _Model:
     """The per-step constants of one model (RoPE tables, scales) and the layer built from them."""
 
-    def __init__(self, config: ModelConfig, kv_dtype, reduce, expert_axis: str | None = None):
+    def __init__(self, config: ModelConfig, kv_dtype, reduce, tp_axis=None):
         self.config = config
         self.kv_dtype = kv_dtype
         self.reduce = reduce
-        self.expert_axis = expert_axis
+        self.tp_axis = tp_axis
         self.kinds = config.layer_kinds
         self.period = config.layer_period
         self.inv_freq = {kind: jnp.asarray(rope_inv_freq(config, kind), jnp.float32)
@@ -168,8 +168,9 @@ class _Model:
         if "experts_gate_up" in small:
             num_local = small["experts_gate_up"].shape[0]
         first = 0
-        if self.expert_axis is not None:
-            first = jax.lax.axis_index(self.expert_axis) * num_local
+        if num_local != config.num_experts:  # expert parallelism: this device's expert group
+            devices_per_group = jax.lax.psum(1, self.tp_axis) // (config.num_experts // num_local)
+            first = jax.lax.axis_index(self.tp_axis) // devices_per_group * num_local
         return moe_mlp(h, logits, gate_up, down, num_experts=config.num_experts,
                        k=config.num_experts_per_tok, norm_topk_prob=config.norm_topk_prob,
                        act=config.hidden_act, first_expert=first, num_local_experts=num_local)
@@ -276,8 +277,7 @@ def forward_paged(
     *,
     attention_backend: str = "xla",
     interpret: bool = False,
-    tp_axis: str | tuple | None = None,
-    expert_axis: str | None = None,
+    tp_axis: str | None = None,
     scan_layers: bool = False,
     return_hidden: bool = False,
 ):
@@ -287,13 +287,13 @@ def forward_paged(
     before the final norm; float32 [L, e]) at `logits_indices`, as a third value (a draft head
     reads it: engine/spec_decode/draft_head.py).
 
-    tp_axis: inside a shard_map over that mesh axis (or axes) (models/sharding.py), `params`,
+    tp_axis: inside a shard_map over that mesh axis (models/sharding.py), `params`,
     `kv_cache` and `config` are one shard's (its heads, MLP columns and vocabulary rows); the
     residual stream is all-reduced after wo and after w_down (Megatron), the embedding lookup is
     vocab-parallel (a masked local gather, all-reduced) and the logits are all-gathered.
-    expert_axis: the mesh axis the experts are split over (expert parallelism: each device runs
-    its experts' groups; the partial MoE output joins the all-reduce over tp_axis, which then
-    includes the expert axis).
+    Expert parallelism (models/sharding.py tp_layout with ep > 1): a device holding E / ep of
+    the experts (its expert group's) runs only their grouped products, on its slice of their MLP
+    width; the partial MoE output joins the same all-reduce over tp_axis as a dense MLP's.
 
     `kv_cache` is (k_cache, v_cache), each [num_layers, num_blocks, block_size, k, d]
     (engine/step/kv_cache.py), in the model dtype or, for a 16-bit model on the xla path, uint16
@@ -318,7 +318,7 @@ def forward_paged(
 
     kv_dtype = kv_cache[0].dtype if kv_cache[0].dtype != jnp.uint16 else params["embed"].dtype
     reduce = (lambda y: y) if tp_axis is None else (lambda y: jax.lax.psum(y, tp_axis))
-    model = _Model(config, kv_dtype, reduce, expert_axis)
+    model = _Model(config, kv_dtype, reduce, tp_axis)
 
     def attend(q, k, v, cache, kind, index):  # no weights: compiled once per kind under a scan
         k_cache, v_cache = cache

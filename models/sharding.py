@@ -43,6 +43,20 @@ from pallas_kernels.kv_write import as_bits
 
 MODEL_AXIS = "model"
 
+# How a family's sharding table (models/families/) splits a parameter -> its PartitionSpec
+# (served, fused layout; one layer, no layer axis).
+SPEC_OF_SPLIT: dict = {
+    None: None,  # replicated (the spec's rank is the array's)
+    "vocab": P(MODEL_AXIS, None),  # [v, e] by vocabulary
+    "heads": P(MODEL_AXIS, None),  # qkv_proj [(h + 2k) * d, e] by heads (per-shard fused order)
+    "heads_in": P(None, MODEL_AXIS),  # o_proj [e, h * d] by input heads
+    "mlp": P(MODEL_AXIS, None),  # gate_up_proj [2 * f, e] by rows (per-shard gate, then up)
+    "mlp_in": P(None, MODEL_AXIS),  # down_proj [e, f] by input columns
+    # Experts [tp * E_local, ...]: device i holds its expert group's experts (group i // (tp/ep))
+    # with its slice (i % (tp/ep)) of their MLP width, laid out device after device.
+    "experts_mlp": P(MODEL_AXIS, None, None),
+    "experts_mlp_in": P(MODEL_AXIS, None, None),
+}
 # Parameter name (served, fused layout; one layer, no layer axis) -> PartitionSpec.
 LLAMA_RULES: dict[str, P] = {
     "embed": P(MODEL_AXIS, None),  # [v, e] by vocabulary
@@ -55,6 +69,10 @@ LLAMA_RULES: dict[str, P] = {
     "o_proj": P(None, MODEL_AXIS),  # [e, h * d] by input heads
     "gate_up_proj": P(MODEL_AXIS, None),  # [2 * f, e] by rows (per-shard gate, then up)
     "down_proj": P(None, MODEL_AXIS),  # [e, f] by input columns
+    "q_norm": P(None), "k_norm": P(None), "post_attn_norm": P(None), "post_mlp_norm": P(None),
+    "router": P(None, None),  # [E, e] replicated: every device routes every token
+    "experts_gate_up": SPEC_OF_SPLIT["experts_mlp"],
+    "experts_down": SPEC_OF_SPLIT["experts_mlp_in"],
 }
 KV_CACHE_SPEC = P(None, None, None, MODEL_AXIS, None)  # [L, num_blocks, block_size, Hkv, D]
 
@@ -70,21 +88,35 @@ class TPLayout:
     vocab_size: int
     local: ModelConfig  # the shape each device's forward sees (its heads, its MLP and vocab slices)
     padded: ModelConfig  # the global shape after padding (what the KV cache is allocated for)
+    ep: int = 1  # expert groups: experts split ep ways, each expert's MLP width tp / ep ways
+    expert_size: int = 0  # each expert's MLP width, padded to a multiple of tp / ep
 
 
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def tp_layout(config: ModelConfig, tp: int) -> TPLayout:
+def tp_layout(config: ModelConfig, tp: int, ep: int = 1) -> TPLayout:
+    """ep > 1 (expert parallelism, a mixture of experts only): the tp devices form ep expert
+    groups of tp / ep devices; attention, the embeddings and the head stay split tp ways."""
+    if ep != 1 and (not config.num_experts or tp % ep or config.num_experts % ep):
+        raise ValueError(f"EngineConfig.expert_parallel_size={ep} must divide tensor_parallel_size="
+                         f"{tp} and the model's num_experts ({config.num_experts}; a mixture of "
+                         "experts only)")
     k = _round_up(config.num_kv_heads, tp)
     h = k * (config.num_heads // config.num_kv_heads)
     f = _round_up(config.intermediate_size, tp)
     v = _round_up(config.vocab_size, tp)
+    moe = {}
+    fe = 0
+    if config.num_experts:
+        fe = _round_up(config.expert_size, tp // ep)
+        moe = dict(moe_intermediate_size=fe // (tp // ep))
     local = dataclasses.replace(config, num_heads=h // tp, num_kv_heads=k // tp,
-                                intermediate_size=f // tp, vocab_size=v // tp)
-    padded = dataclasses.replace(config, num_heads=h, num_kv_heads=k, intermediate_size=f, vocab_size=v)
-    return TPLayout(tp, h, k, f, v, local, padded)
+                                intermediate_size=f // tp, vocab_size=v // tp, **moe)
+    padded = dataclasses.replace(config, num_heads=h, num_kv_heads=k, intermediate_size=f, vocab_size=v,
+                                 **(dict(moe_intermediate_size=fe) if fe else {}))
+    return TPLayout(tp, h, k, f, v, local, padded, ep, fe)
 
 
 def partition_spec(name: str, *, stacked: bool) -> P:
@@ -92,13 +124,29 @@ def partition_spec(name: str, *, stacked: bool) -> P:
     return P(None, *spec) if stacked else spec
 
 
-def param_specs(params: dict) -> dict:
-    """The PartitionSpec pytree matching a served (fused) parameter pytree."""
+def _spec(name: str, a, table: dict | None, stacked: bool = False) -> P:
+    if table is None:
+        return partition_spec(name, stacked=stacked)
+    split = table[name]
+    if split is None:
+        return P(*([None] * a.ndim))
+    spec = SPEC_OF_SPLIT[split]
+    return P(None, *spec) if stacked else spec
+
+
+def param_specs(params: dict, config: ModelConfig | None = None) -> dict:
+    """The PartitionSpec pytree matching a served (fused) parameter pytree: by the family's
+    sharding table (models/families/) given the config, else by the shared names (LLAMA_RULES)."""
+    table = None
+    if config is not None:
+        from models.families import FAMILIES
+
+        table = FAMILIES[config.architecture].sharding
     layers = params["layers"]
-    top = {name: LLAMA_RULES[name] for name in params if name != "layers"}
+    top = {name: _spec(name, a, table) for name, a in params.items() if name != "layers"}
     if isinstance(layers, list):
-        return {**top, "layers": [{n: LLAMA_RULES[n] for n in layer} for layer in layers]}
-    return {**top, "layers": {n: partition_spec(n, stacked=True) for n in layers}}
+        return {**top, "layers": [{n: _spec(n, a, table) for n, a in layer.items()} for layer in layers]}
+    return {**top, "layers": {n: _spec(n, a, table, stacked=True) for n, a in layers.items()}}
 
 
 def _pad(a: np.ndarray, axis: int, size: int, xp=np) -> np.ndarray:
@@ -133,17 +181,41 @@ def shard_layer_host(layer: dict, config: ModelConfig, layout: TPLayout, xp=np) 
     q = _pad_heads(layer["wq"], 1, kv, g, kp, xp)
     k = _pad_heads(layer["wk"], 1, kv, 1, kp, xp)
     v = _pad_heads(layer["wv"], 1, kv, 1, kp, xp)
-    fused = {"attn_norm": layer["attn_norm"], "mlp_norm": layer["mlp_norm"],
-             "wqkv": _fuse_per_shard(q, k, v, axis=1, tp=tp, xp=xp),
-             "wo": _pad_heads(layer["wo"], 0, kv, g, kp, xp),
-             "w_gate_up": _fuse_per_shard(_pad(layer["w_gate"], 1, f, xp), _pad(layer["w_up"], 1, f, xp),
-                                          axis=1, tp=tp, xp=xp),
-             "w_down": _pad(layer["w_down"], 0, f, xp)}
+    small = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm", "router")
+    fused = {name: layer[name] for name in small if name in layer}
+    fused.update(wqkv=_fuse_per_shard(q, k, v, axis=1, tp=tp, xp=xp),
+                 wo=_pad_heads(layer["wo"], 0, kv, g, kp, xp))
+    if "w_gate" in layer:
+        fused.update(w_gate_up=_fuse_per_shard(_pad(layer["w_gate"], 1, f, xp),
+                                               _pad(layer["w_up"], 1, f, xp), axis=1, tp=tp, xp=xp),
+                     w_down=_pad(layer["w_down"], 0, f, xp))
+    else:
+        fused.update(_shard_experts(layer, config, layout, xp))
     if "bq" in layer:
         fused["bqkv"] = _fuse_per_shard(_pad_heads(layer["bq"], 0, kv, g, kp, xp),
                                         _pad_heads(layer["bk"], 0, kv, 1, kp, xp),
                                         _pad_heads(layer["bv"], 0, kv, 1, kp, xp), axis=0, tp=tp, xp=xp)
     return served_layer(fused, xp=xp)
+
+
+def _shard_experts(layer: dict, config: ModelConfig, layout: TPLayout, xp=np) -> dict:
+    """experts_gate_up [E, 2f, e] / experts_down [E, e, f] -> [tp * E_local, 2 f_local, e] /
+    [tp * E_local, e, f_local]: device i's block is expert group i // m (m = tp / ep) with MLP
+    slice i % m (gate rows, then up rows), so a plain split of the leading axis places it."""
+    tp, ep, fe = layout.tp, layout.ep, layout.expert_size
+    m, n, f = tp // ep, config.num_experts, config.expert_size
+    e_local, f_local = n // ep, fe // m
+    gate_up = layer["experts_gate_up"]
+    gate, up = _pad(gate_up[:, :f], 1, fe, xp), _pad(gate_up[:, f:], 1, fe, xp)
+    down = _pad(layer["experts_down"], 2, fe, xp)
+    blocks_gu, blocks_d = [], []
+    for i in range(tp):
+        experts = slice((i // m) * e_local, (i // m + 1) * e_local)
+        cols = slice((i % m) * f_local, (i % m + 1) * f_local)
+        blocks_gu.append(xp.concatenate([gate[experts, cols], up[experts, cols]], axis=1))
+        blocks_d.append(down[experts, :, cols])
+    return {"experts_gate_up": xp.concatenate(blocks_gu, axis=0),
+            "experts_down": xp.concatenate(blocks_d, axis=0)}
 
 
 def to_host(a, dtype) -> np.ndarray:
@@ -175,6 +247,7 @@ def shard_params_host(params: dict, config: ModelConfig, layout: TPLayout, *, dt
         out["layers"] = stacked
     else:
         out["layers"] = layers
+    check_family_table(config, out)
     return out
 
 
@@ -186,10 +259,10 @@ def abstract_sharded_params(config: ModelConfig, layout: TPLayout, *, dtype: str
                                                     layout, dtype=dtype, stack=stack, xp=jnp))
 
 
-def place_params(host_params: dict, mesh) -> dict:
+def place_params(host_params: dict, mesh, config: ModelConfig | None = None) -> dict:
     """Each device gets only its slice: make_array_from_callback reads the host array per shard
     (under jax.distributed, only this process's devices are filled)."""
-    specs = param_specs(host_params)
+    specs = param_specs(host_params, config)
 
     def place(a: np.ndarray, spec: P):
         return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec), lambda index: a[index])
@@ -206,6 +279,19 @@ def bytes_per_device(tree) -> dict:
     return out
 
 
+def check_family_table(config: ModelConfig, params: dict) -> None:
+    """Every served parameter of the model is in its family's sharding table (models/families/)."""
+    from models.families import FAMILIES
+
+    table = FAMILIES[config.architecture].sharding
+    layers = params["layers"]
+    names = set(params) - {"layers"} | set(layers[0] if isinstance(layers, list) else layers)
+    missing = sorted(names - set(table))
+    if missing:
+        raise ValueError(f"{config.architecture}'s sharding table (models/families/) has no rule for "
+                         f"{', '.join(missing)}")
+
+
 def forward_paged_sharded(params: dict, layout: TPLayout, kv_cache: tuple, batch, *, mesh,
                           attention_backend: str, interpret: bool = False, scan_layers: bool = False):
     """models/llama.forward_paged under shard_map over "model": every device runs its own heads
@@ -219,6 +305,6 @@ def forward_paged_sharded(params: dict, layout: TPLayout, kv_cache: tuple, batch
         return forward_paged(p, layout.local, cache, b, attention_backend=attention_backend,
                              interpret=interpret, tp_axis=MODEL_AXIS, scan_layers=scan_layers)
 
-    mapped = jax.shard_map(local, mesh=mesh, in_specs=(param_specs(params), cache_specs, P()),
+    mapped = jax.shard_map(local, mesh=mesh, in_specs=(param_specs(params, layout.local), cache_specs, P()),
                            out_specs=(cache_specs, P()), check_vma=False)
     return mapped(params, kv_cache, batch)

@@ -95,7 +95,7 @@ def build_parts(config: EngineConfig, *, progress: bool = True, mesh=None, loade
     if mesh is not None:
         from engine.step.placement import Placement
 
-        placement = Placement.for_mesh(mesh, loaded.config)
+        placement = Placement.for_mesh(mesh, loaded.config, config.expert_parallel_size)
         params = placement.place(loaded.params, loaded.config, dtype=dtype, layer_loop=layer_loop)
         kv_config = placement.layout.local  # per device: its KV heads, after its weight shards
     load_seconds = time.perf_counter() - start

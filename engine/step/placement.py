@@ -39,8 +39,8 @@ class Placement:
     layout: TPLayout
 
     @classmethod
-    def for_mesh(cls, mesh: Mesh, config: ModelConfig) -> Placement:
-        return cls(mesh, tp_layout(config, mesh.shape[MODEL_AXIS]))
+    def for_mesh(cls, mesh: Mesh, config: ModelConfig, expert_parallel_size: int = 1) -> Placement:
+        return cls(mesh, tp_layout(config, mesh.shape[MODEL_AXIS], expert_parallel_size))
 
     @property
     def tp(self) -> int:
@@ -62,7 +62,7 @@ class Placement:
         """Loader-layout params (numpy or device arrays) -> the served layout, shard by shard
         (stacked on a layer axis for the "stacked" layer loop, engine/config.py)."""
         host = shard_params_host(params, config, self.layout, dtype=dtype, stack=layer_loop == "stacked")
-        return place_params(host, self.mesh)
+        return place_params(host, self.mesh, config)
 
     def forward(self, *, attention_backend: str, interpret: bool, layer_loop: str):
         """(params, kv_cache, inputs) -> (kv_cache, logits [L, v]) for the compiled step."""
