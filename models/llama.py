@@ -69,8 +69,6 @@ from models.moe import grouped_product, moe_mlp
 from models.served_layout import num_layers_of, unpack_layer
 from pallas_kernels import prepare_attention_metadata, ragged_paged_attention, write_kv
 
-_proj = proj  # the name the engine's tests and tools knew
-
 # The served layout's products, as the lax.switch branches of `_switch_scan` run them.
 SERVED_PRODUCTS = {"qkv_proj": "te,ne->tn", "o_proj": "tn,en->te", "gate_up_proj": "te,ne->tn",
                    "down_proj": "tf,ef->te", "router": "te,ne->tn"}
@@ -248,7 +246,7 @@ class _Static(int):
         return obj
 
 
-def _layer_index(index):
+def _layer_index(index):  # the cache's layer index (traced in a scan)
     return index.traced if isinstance(index, _Static) else index
 
 
@@ -368,10 +366,7 @@ def _switch_scan(x, cache, layers: list, period: int, step):
              for name in layers[0] if name not in products}
     n = len(layers)
     full = n - n % period
-    if "experts_gate_up" in layers[0]:
-        local = layers[0]["experts_gate_up"].shape[0]
-    else:
-        local = None
+    local = layers[0]["experts_gate_up"].shape[0] if "experts_gate_up" in layers[0] else None
 
     def run(carry, index, position):
         product = lambda name, *a: jax.lax.switch(index, branches[name], *a)  # noqa: E731
