@@ -1,8 +1,11 @@
-"""One process of the two-process multi-host test (tests/engine/test_multihost.py runs two).
+"""One process of the two-process multi-host test (tests/engine/test_tensor_parallel.py runs two).
 
 argv: process_id port. The leader runs PROMPTS greedily and prints the tokens (RESULT), then
-runs them again; the follower exits as soon as a step of that second batch reaches it, and the
-leader prints the errors it got (DIED) and exits with 3.
+starts a load of long greedy requests; the follower prints each step of that load (LOAD <n>) and
+the test kills it with SIGKILL in the middle of the load. The leader prints what its requests got
+(DIED: their errors, whether the engine is dead, when), then what a new request gets (REFUSED),
+and calls sys.exit(3): the multi-host exit hook ends the process with BROKEN_EXIT_STATUS instead of
+waiting at jax.distributed's shutdown barrier for the dead process.
 """
 
 import json
@@ -20,10 +23,15 @@ from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.scaleout import multihost  # noqa: E402
 from tests.engine.test_tensor_parallel import KNOBS, PROMPTS  # noqa: E402
 
+# How long the leader waits for an acknowledgement or for a step before it calls the mesh broken:
+# the bound on noticing the killed follower. jax.distributed's heartbeat (whose timeout ends every
+# process) is set far above it and above any stall of a loaded machine, so it never decides.
+BOUND_S = 8
+
 process_id, port = int(sys.argv[1]), sys.argv[2]
 config = EngineConfig(**KNOBS, tensor_parallel_size=4, coordinator_address=f"127.0.0.1:{port}",
                       num_processes=2, process_id=process_id)
-multihost.initialize(config.coordinator_address, 2, process_id, timeout_s=60, heartbeat_timeout_s=10)
+multihost.initialize(config.coordinator_address, 2, process_id, timeout_s=120, heartbeat_timeout_s=300)
 from engine.core.llm_engine import LLMEngine  # noqa: E402
 from engine.step.model_runner import ModelRunner  # noqa: E402
 
@@ -45,35 +53,43 @@ ModelRunner.compile_all = compile_all
 engine = LLMEngine(config, progress=False)
 if process_id == 1:
     real = engine.runner.execute
+    num_load_steps = [0]
 
     def execute(out):
-        if any(sr.req_id.startswith("die") for sr in out.scheduled):
-            os._exit(17)  # killed in the middle of the second batch
+        if any(sr.req_id.startswith("load") for sr in out.scheduled):
+            num_load_steps[0] += 1
+            print(f"LOAD {num_load_steps[0]}", flush=True)  # the test kills this process meanwhile
         return real(out)
 
     engine.runner.execute = execute
     multihost.follow(engine.runner)
     sys.exit(0)
-engine.runner = multihost.LeaderRunner(engine.runner, timeout_s=10)
-params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+engine.runner = multihost.LeaderRunner(engine.runner, timeout_s=BOUND_S, step_timeout_s=BOUND_S)
 
 
-def run(tag):
-    for i, p in enumerate(PROMPTS):
+def run(tag, params, prompts):
+    for i, p in enumerate(prompts):
         engine.add_request(f"{tag}{i}", p, params)
     done = {}
     while engine.has_unfinished_requests() and engine.dead_reason is None:
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out
-    return [done[f"{tag}{i}"].outputs[0] for i in range(len(PROMPTS)) if f"{tag}{i}" in done]
+    return [done[f"{tag}{i}"].outputs[0] for i in range(len(prompts)) if f"{tag}{i}" in done]
 
 
-first = run("ok")
+first = run("ok", SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1), PROMPTS)
 print("RESULT " + json.dumps({"tokens": [o.token_ids for o in first], "errors": [o.error for o in first if o.error],
                               "logprobs": [o.logprobs[0][o.token_ids[0]] for o in first if o.logprobs]}), flush=True)
-start = time.monotonic()
-second = run("die")
-print("DIED " + json.dumps({"errors": [o.error for o in second if o.error], "dead": engine.dead_reason,
-                            "seconds": time.monotonic() - start}), flush=True)
-os._exit(3)
+# Every prompt with 90 more tokens stays within max_model_len=128: a load that outlasts the kill.
+load = run("load", SamplingParams(temperature=0.0, max_tokens=90, ignore_eos=True), PROMPTS)
+print("DIED " + json.dumps({"errors": [o.error for o in load if o.error], "num_finished": len(load),
+                            "num_tokens": [len(o.token_ids) for o in load], "dead": engine.dead_reason,
+                            "time": time.time()}), flush=True)
+try:
+    engine.add_request("after", PROMPTS[0], SamplingParams(max_tokens=2))
+    refused = None
+except Exception as exc:  # noqa: BLE001 - reported to the test
+    refused = f"{type(exc).__name__}: {exc}"
+print("REFUSED " + json.dumps({"error": refused}), flush=True)
+sys.exit(3)

@@ -6,9 +6,11 @@ size; MLP width 90 and vocabulary 254, which 4 does not divide either)."""
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -16,6 +18,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
+from engine.scaleout import multihost
 from engine.step.mesh import device_grid, make_mesh, replica_meshes
 from models.config import preset_config
 from models.sharding import shard_layer_host, tp_layout
@@ -159,30 +162,49 @@ def _free_port() -> int:
 
 def test_two_processes_tp4_equal_one_process_then_a_dead_follower_fails_clearly(engines):
     """Multi-host on one machine: two OS processes, jax.distributed on loopback, 2 virtual CPU
-    devices each, TP = 4 across both (tests/engine/multihost_worker.py). The leader's greedy
-    tokens equal TP = 1 in this process; then the follower dies mid-run and the leader's
-    requests fail with MultiHostError, its engine dead, within seconds (no hang)."""
+    devices each, TP = 4 across both (tests/engine/multihost_worker.py; the two compile their
+    buckets in opposite orders). The leader's greedy tokens equal TP = 1 in this process; then,
+    under a load of 4 decoding requests, the follower is killed (SIGKILL) between or inside steps:
+    every request fails with MultiHostError within the worker's bound (8 s, well before
+    jax.distributed's heartbeat), the engine is dead, a new request is refused with the reason,
+    and the leader exits by itself with BROKEN_EXIT_STATUS (no hang at the shutdown barrier)."""
     reference = run_to_completion(engines[1], [(f"m{i}", p, GREEDY) for i, p in enumerate(PROMPTS)])
     port = str(_free_port())
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     worker = os.path.join(os.path.dirname(__file__), "multihost_worker.py")
     procs = [subprocess.Popen([sys.executable, worker, str(p), port], env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for p in (0, 1)]
+    killed_at, follower_log = None, []
     try:
-        logs = [p.communicate(timeout=300)[0] for p in procs]
+        deadline = time.monotonic() + 240
+        for line in procs[1].stdout:  # the follower's steps of the load, as they run
+            follower_log.append(line)
+            if line.startswith("LOAD 5"):
+                procs[1].send_signal(signal.SIGKILL)
+                killed_at = time.time()
+                break
+            assert time.monotonic() < deadline, "".join(follower_log[-50:])
+        leader_log = procs[0].communicate(timeout=120)[0]
+        procs[1].wait(timeout=10)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    lines = {x.split(" ", 1)[0]: json.loads(x.split(" ", 1)[1]) for x in logs[0].splitlines()
-             if x.startswith(("RESULT ", "DIED "))}
-    assert set(lines) == {"RESULT", "DIED"}, logs[0][-3000:]
+    assert killed_at is not None, "".join(follower_log[-50:])
+    lines = {x.split(" ", 1)[0]: json.loads(x.split(" ", 1)[1]) for x in leader_log.splitlines()
+             if x.startswith(("RESULT ", "DIED ", "REFUSED "))}
+    assert set(lines) == {"RESULT", "DIED", "REFUSED"}, leader_log[-3000:]
     result, died = lines["RESULT"], lines["DIED"]
     assert not result["errors"]
     assert result["tokens"] == [reference[f"m{i}"].outputs[0].token_ids for i in range(len(PROMPTS))]
     for i, lp in enumerate(result["logprobs"]):
         out = reference[f"m{i}"].outputs[0]
         assert abs(lp - out.logprobs[0][out.token_ids[0]]) < 1e-4
-    assert [p.returncode for p in procs] == [3, 17]
-    assert died["errors"] and all("MultiHostError" in e and "multi-host step" in e for e in died["errors"])
-    assert died["dead"] is not None and died["seconds"] < 60
+    assert [p.returncode for p in procs] == [multihost.BROKEN_EXIT_STATUS, -signal.SIGKILL]
+    # All 4 in flight, none complete (90 tokens each), every one failed saying why.
+    assert died["num_finished"] == 4 and len(died["errors"]) == 4, died
+    assert all(n < 90 for n in died["num_tokens"]), died
+    assert all("MultiHostError" in e and "multi-host step" in e for e in died["errors"]), died
+    assert died["dead"] is not None and "multi-host step" in died["dead"]
+    assert died["time"] - killed_at < 8 + 10, died  # the bound, plus a loaded machine's slack
+    assert "EngineDeadError" in lines["REFUSED"]["error"] and "multi-host step" in lines["REFUSED"]["error"]
