@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from pallas_kernels import validation
 
 _BITS = {2: jnp.uint16}
+_BACKENDS = ("xla", "pallas_tpu", "pallas_gpu")
 
 
 def as_bits(x):
@@ -49,8 +50,13 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping, layer=None, *, backend="xla",
     """Returns (k_cache, v_cache) with k[t], v[t] at slot_mapping[t] of `layer` (out-of-range dropped).
 
     backend: the attention backend that reads the cache ("xla", "pallas_tpu", "pallas_gpu"); the
-    write takes the form that keeps the cache in the layout that backend reads.
+    write takes the form that keeps the cache in the layout that backend reads: "pallas_tpu"
+    writes with a Mosaic kernel of DMAs (tpu_kv_write.py: with the scatter, XLA copies both whole
+    caches before every layer's attention kernel), the others scatter. interpret: run the TPU
+    kernel in interpret mode (the CPU tests).
     """
+    if backend not in _BACKENDS:
+        raise ValueError(f"write_kv backend must be one of {sorted(_BACKENDS)}; got {backend!r}")
     k_cache, v_cache, k, v, slot_mapping = map(jnp.asarray, (k_cache, v_cache, k, v, slot_mapping))
     cache = validation.check_cache(k_cache, v_cache, layer)
     num_tokens = slot_mapping.shape[0] if slot_mapping.ndim == 1 else -1
@@ -72,7 +78,15 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping, layer=None, *, backend="xla",
     # instead of wrapping (negative) or spilling into the next layer (>= layer_slots).
     slots = slot_mapping.astype(jnp.int32)
     rows = validation.layer_index(layer) * layer_slots + slots
-    rows = jnp.where((slots >= 0) & (slots < layer_slots), rows, total_slots)
+    in_range = (slots >= 0) & (slots < layer_slots)
+    if backend == "pallas_tpu" and k_cache.dtype != jnp.uint16:
+        from pallas_kernels.tpu_kv_write import write_kv_tpu
+
+        layer_arr = jnp.reshape(jnp.asarray(validation.layer_index(layer), jnp.int32), (1,))
+        k_out, v_out = write_kv_tpu(validation.stacked_view(k_cache, cache), validation.stacked_view(v_cache, cache),
+                                    k, v, jnp.where(in_range, slots, -1), layer_arr, interpret=interpret)
+        return k_out.reshape(k_cache.shape), v_out.reshape(v_cache.shape)
+    rows = jnp.where(in_range, rows, total_slots)
     if rows.shape[0] == 1:
         # One token: XLA rewrites a one-index scatter as a dynamic-update-slice, which it then
         # does not run in place next to the attention's gathers (the whole stacked cache is

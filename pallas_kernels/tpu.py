@@ -58,7 +58,7 @@ def _tpu_kernel(
     # Output.
     o_ref,  # VMEM [Hkv, R, D]
     # Scratch.
-    k_buf,  # VMEM [2, block_size, Hkv, D] double-buffered K page
+    k_buf,  # VMEM [2, block_size, Hkv, D] double-buffered K page ([2, 1, block_size, D]: heads_major)
     v_buf,  # VMEM [2, block_size, Hkv, D] double-buffered V page
     sems,  # DMA semaphores [2 (K, V), 2 (slot)]
     m_scr,  # VMEM f32[Hkv, R, 1] running max
@@ -70,6 +70,7 @@ def _tpu_kernel(
     soft_cap: float | None,
     group: int,
     max_blocks_per_seq: int,
+    heads_major: bool,
 ):
     b = pl.program_id(0)
     layer = layer_ref[0]
@@ -77,7 +78,7 @@ def _tpu_kernel(
     first_pos = pos_ref[b]
     kv_end = first_pos + q_len_ref[b]  # no row reads kv positions >= kv_end
     num_kv_heads, rows, _ = q_ref.shape
-    block_size = k_buf.shape[1]
+    block_size = k_buf.shape[2] if heads_major else k_buf.shape[1]
 
     m_scr[...] = jnp.full(m_scr.shape, -jnp.inf, jnp.float32)
     l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
@@ -118,8 +119,8 @@ def _tpu_kernel(
             mask &= (x + sliding_window) * group > row
         for h in range(num_kv_heads):
             q = q_ref[h]  # [R, D]
-            k = k_buf[slot, :, h, :]  # [block_size, D]
-            v = v_buf[slot, :, h, :]  # [block_size, D]
+            k = k_buf[slot, h] if heads_major else k_buf[slot, :, h, :]  # [block_size, D]
+            v = v_buf[slot, h] if heads_major else v_buf[slot, :, h, :]  # [block_size, D]
             s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
             s = s * sm_scale  # [R, block_size]
             if soft_cap is not None:
@@ -156,7 +157,7 @@ def vmem_bytes(num_kv_heads, rows, head_dim, block_size, q_dtype, cache_dtype) -
     """An upper estimate of the kernel's VMEM: the q and out blocks (double-buffered), the K and V
     page buffers, the softmax scratch and the [R, block_size] temporaries of one kv head."""
     q_block = _tile_bytes((num_kv_heads, rows, head_dim), q_dtype)
-    pages = _tile_bytes((2, block_size, num_kv_heads, head_dim), cache_dtype)
+    pages = _tile_bytes(page_buffer_shape(num_kv_heads, block_size, head_dim), cache_dtype)
     stats = _tile_bytes((num_kv_heads, rows, 1), jnp.float32)
     acc = _tile_bytes((num_kv_heads, rows, head_dim), jnp.float32)
     temps = 8 * _tile_bytes((rows, block_size), jnp.float32)
@@ -181,13 +182,40 @@ def vmem_limit(num_kv_heads, rows, head_dim, block_size, q_dtype, cache_dtype) -
     return min(_VMEM_CAP, max(need + need // 4, 2 * _DEFAULT_SCOPED_VMEM))
 
 
+def heads_major(num_kv_heads: int) -> bool:
+    """Whether the kernels see the cache as [L, num_blocks, 1, block_size, D]: with one kv head (a
+    device's share under tensor parallelism, e.g. 8 kv heads over 8 chips) XLA lays the cache out
+    with (block_size, D) as its tiled minor dims, and this view is that layout bit for bit; the
+    [..., block_size, 1, D] view would make Mosaic tile (1, D) -- a relayout copy of both caches
+    (and twice their bytes in bfloat16's packed tiles) where XLA and the kernels meet."""
+    return num_kv_heads == 1
+
+
+def page_buffer_shape(num_kv_heads, block_size, head_dim) -> tuple[int, ...]:
+    """The double-buffered VMEM page of the attention kernel (one whole page, every kv head)."""
+    if heads_major(num_kv_heads):
+        return (2, 1, block_size, head_dim)
+    return (2, block_size, num_kv_heads, head_dim)
+
+
+def kernel_view(cache):
+    """The stacked cache [L, num_blocks, block_size, Hkv, D] as the TPU kernels read and write it
+    (`heads_major`: a free reshape)."""
+    num_layers, num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+    if heads_major(num_kv_heads):
+        return cache.reshape(num_layers, num_blocks, 1, block_size, head_dim)
+    return cache
+
+
 def _tpu_pallas_call(scalars, q_blocks, k_cache, v_cache, *, interpret, **static):
     """pallas_call over grid (NB,); scalars = (layer, tables, seq, q_len, pos, lo, hi).
 
-    k_cache, v_cache [L, num_blocks, block_size, Hkv, D], left in HBM.
+    k_cache, v_cache [L, num_blocks, block_size, Hkv, D], left in HBM (as `kernel_view`).
     """
     nb, num_kv_heads, rows, head_dim = q_blocks.shape
     block_size = k_cache.shape[2]
+    k_cache, v_cache = kernel_view(k_cache), kernel_view(v_cache)
+    page = page_buffer_shape(num_kv_heads, block_size, head_dim)
     limit = vmem_limit(num_kv_heads, rows, head_dim, block_size, q_blocks.dtype, k_cache.dtype)
     block = pl.BlockSpec((None, num_kv_heads, rows, head_dim), lambda b, *_: (b, 0, 0, 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -196,8 +224,8 @@ def _tpu_pallas_call(scalars, q_blocks, k_cache, v_cache, *, interpret, **static
         in_specs=[block, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=block,
         scratch_shapes=[
-            pltpu.VMEM((2, block_size, num_kv_heads, head_dim), k_cache.dtype),
-            pltpu.VMEM((2, block_size, num_kv_heads, head_dim), v_cache.dtype),
+            pltpu.VMEM(page, k_cache.dtype),
+            pltpu.VMEM(page, v_cache.dtype),
             pltpu.SemaphoreType.DMA((2, 2)),
             pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),
             pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),
@@ -205,7 +233,7 @@ def _tpu_pallas_call(scalars, q_blocks, k_cache, v_cache, *, interpret, **static
         ],
     )
     return pl.pallas_call(
-        functools.partial(_tpu_kernel, **static),
+        functools.partial(_tpu_kernel, heads_major=heads_major(num_kv_heads), **static),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct(q_blocks.shape, q_blocks.dtype),
         compiler_params=pltpu.CompilerParams(
