@@ -203,3 +203,39 @@ def test_write_kv_validates_shapes(k_shape, slots_shape):
     k = np.zeros(k_shape, np.float32)
     with pytest.raises(ValueError, match="slot_mapping"):
         write_kv(k_pages, v_pages, k, k, np.zeros(slots_shape, np.int32))
+
+
+@pytest.mark.parametrize("num_kv_heads", [1, 2], ids=["one-head-page-rmw", "two-heads-token-dma"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tpu_kernel_writes_what_the_scatter_writes(num_kv_heads, dtype):
+    """pallas_tpu's Mosaic write (interpret mode) equals the scatter: stacked cache at a static and a
+    traced layer, a single-layer cache, out-of-range slots dropped, tokens revisiting a page after
+    another page (the one-head form reads it back), and padding tokens sharing one slot."""
+    rng = np.random.default_rng(4)
+    shape = (NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, 128)
+    k_cache = jnp.asarray(rng.normal(size=shape), dtype)
+    v_cache = -k_cache
+    slots = np.array([0, 5, 1, 23, -1, 24, 1000, 6, 0, 0], np.int32)
+    k = jnp.asarray(rng.normal(size=(len(slots), num_kv_heads, 128)), dtype)
+    v = 2 * k
+    slots[-2:] = 3  # two padding tokens at one slot write the same values
+    k, v = k.at[-1].set(k[-2]), v.at[-1].set(v[-2])
+    tpu = jax.jit(lambda kc, vc, k, v, s, layer: write_kv(kc, vc, k, v, s, layer=layer, backend="pallas_tpu",
+                                                          interpret=True))
+    for layer in (0, NUM_LAYERS - 1, jnp.int32(1)):
+        want = write_kv(k_cache, v_cache, k, v, slots, layer=layer)
+        got = tpu(k_cache, v_cache, k, v, slots, layer)
+        for w, g in zip(want, got):
+            np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    want = write_kv(k_cache[0], v_cache[0], k, v, slots)
+    got = write_kv(k_cache[0], v_cache[0], k, v, slots, backend="pallas_tpu", interpret=True)
+    for w, g in zip(want, got):
+        assert g.shape == w.shape
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
+def test_write_kv_refuses_an_unknown_backend():
+    k_cache, v_cache = _cache()
+    with pytest.raises(ValueError, match="write_kv backend must be one of.*'mosaic'"):
+        write_kv(k_cache, v_cache, np.zeros((1, HKV, D), np.float32), np.zeros((1, HKV, D), np.float32),
+                 np.zeros((1,), np.int32), backend="mosaic")
