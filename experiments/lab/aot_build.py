@@ -339,7 +339,7 @@ class _LayerCost:
             params, replicated, kv_sharding, kv_config = _abstract_params(small, dtype, "unrolled", placement, device)
             kv = _kv_leaf(kv_config, shapes.num_blocks, shapes.block_size, dtype, backend, kv_sharding)
             table = table_state_spec(shapes)
-            table = _with_sharding(table, jax.tree.map(lambda _: replicated, table))
+            table = _with_sharding(table, jax.tree.map(lambda _, r=replicated: r, table))
             step = make_step(small, shapes, attention_backend=backend, interpret=False, layer_loop="unrolled",
                              placement=placement, keep_hidden=False)
             self.variants.append((step, (params, (kv, kv), table), replicated))

@@ -241,6 +241,7 @@ def test_engine_config_checks_the_combination():
                  progress=False)
 
 
+@pytest.mark.extended  # make test-extended (CI runs it after make test)
 def test_the_server_serves_disaggregated_and_checks_the_flag():
     import json
     import os

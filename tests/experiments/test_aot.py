@@ -96,9 +96,9 @@ def test_collective_counting_reads_loop_bodies():
 
 
 def test_too_few_devices_is_named():
-    out = subprocess.run([sys.executable, "-m", "experiments.aot", "--target=cpu", "--model=random:tiny",
-                          "--tensor_parallel_size=64"], capture_output=True, text=True, timeout=300)
-    assert out.returncode != 0 and "needs 64 devices, the target has" in out.stderr
+    config = EngineConfig(model="random:tiny", tensor_parallel_size=64, **SMALL)
+    with pytest.raises(ValueError, match="needs 64 devices, the target has"):
+        compile_for_target(config, TINY, "cpu", progress=None)
 
 
 # ---- the device compilers (make aot-setup; make aot-test) --------------------------------------
@@ -214,6 +214,7 @@ def _generate(folder: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.extended  # make test-extended (CI runs it after make test)
 def test_saved_executables_load_in_another_process_with_equal_outputs(tmp_path):
     folder = tmp_path / "exe"
     saved = subprocess.run(
