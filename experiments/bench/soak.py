@@ -74,6 +74,8 @@ _LONG_PROMPT = flags.DEFINE_integer("long_prompt_tokens", 720, "Prompt tokens of
 _LONG_OUTPUT = flags.DEFINE_integer("long_output_tokens", 160, "max_tokens of the n=3 case (capped by max_model_len).")
 _MAX_RATIO = flags.DEFINE_float("max_progress_ratio", 8.0, "A finished request whose latency is more than this many "
                                 "times its size class's median fails the run (soak_progress.py).")
+_PROGRESS_FLOOR = flags.DEFINE_float("progress_floor_s", 1.0, "A request is held to at least this many seconds "
+                                     "(times max_progress_ratio): the jitter of a busy machine's steps.")
 _MAX_RSS_GROWTH = flags.DEFINE_float("max_rss_growth", 0.05, "Most growth of the server's resident memory from "
                                      "warm-up to the end, as a fraction.")
 _WARMUP = flags.DEFINE_float("warmup_fraction", 0.1, "Fraction of the requests after which the server counts as "
@@ -393,7 +395,8 @@ def run() -> dict:
     free, cached = metrics.get("jaxserve:num_free_blocks"), metrics.get("jaxserve:num_cached_blocks")
     usable = _NUM_KV_BLOCKS.value - 1
     finished = [o for o in outcomes if o.kind in ("good", "hostile") and o.status == 200]
-    progress = check_progress([o.sample for o in finished if o.sample is not None], max_ratio=_MAX_RATIO.value)
+    progress = check_progress([o.sample for o in finished if o.sample is not None], max_ratio=_MAX_RATIO.value,
+                              min_seconds=_PROGRESS_FLOOR.value)
     growth = (rss["end"] - rss["warm"]) / rss["warm"] if rss["warm"] and rss["end"] else None
     checks = {
         "every request answered": len(outcomes) == _NUM_REQUESTS.value and not counts["client_error"],

@@ -7,9 +7,10 @@ requests of its own size, or did one starve while the rest finished?
 2. Its class is (prompt tokens' power-of-two bucket, generated tokens' bucket, n, scored). A
    class with fewer than `min_class_size` members is judged by the next coarser one that has
    enough: (generated bucket, n, scored), then (scored,), then the whole run.
-3. Its ratio is latency / max(median latency of that class, floor x the run's median latency).
-   The floor is there because under load every request also waits for a seat: a class of tiny
-   requests has a median far below that wait, and an ordinary wait would look like starvation.
+3. Its ratio is latency / max(median latency of that class, floor x the run's median latency,
+   min_seconds). The floors are there because under load every request also waits for a seat
+   and for the steps of others: a class of tiny requests has a median far below that wait, and
+   an ordinary wait (or one slow step on a busy machine) would look like starvation.
 4. The run fails when a ratio exceeds `max_ratio`; the report names the worst request, its
    class and the median it was held to. (A request stuck past the client's timeout never
    finishes; the soak counts those separately, as stuck.)
@@ -84,7 +85,7 @@ def _describe(key: tuple) -> str:
 
 
 def check_progress(samples: list[Sample], *, max_ratio: float = 8.0, min_class_size: int = 5,
-                   floor: float = 0.5) -> ProgressReport:
+                   floor: float = 0.5, min_seconds: float = 0.0) -> ProgressReport:
     """Each sample's latency against its class's median (the module docstring)."""
     if not max_ratio > 1:
         raise ValueError(f"check_progress: max_ratio must be > 1, got {max_ratio!r}")
@@ -92,6 +93,8 @@ def check_progress(samples: list[Sample], *, max_ratio: float = 8.0, min_class_s
         raise ValueError(f"check_progress: min_class_size must be an integer >= 1, got {min_class_size!r}")
     if not 0 <= floor <= 1:
         raise ValueError(f"check_progress: floor must be in [0, 1], got {floor!r}")
+    if not min_seconds >= 0:
+        raise ValueError(f"check_progress: min_seconds must be >= 0, got {min_seconds!r}")
     for s in samples:
         if not (s.latency >= 0 and s.prompt_tokens >= 0 and s.generated_tokens >= 0 and s.n >= 1):
             raise ValueError(f"check_progress: a sample needs latency, prompt and generated tokens >= 0 and "
@@ -103,7 +106,7 @@ def check_progress(samples: list[Sample], *, max_ratio: float = 8.0, min_class_s
         for key in _keys(s):
             members.setdefault(key, []).append(s.latency)
     medians = {key: statistics.median(values) for key, values in members.items()}
-    lowest = floor * medians[("all",)]
+    lowest = max(floor * medians[("all",)], min_seconds)
     rated = []
     for s in samples:
         key = next(k for k in _keys(s) if len(members[k]) >= min_class_size or k == ("all",))

@@ -72,3 +72,14 @@ def test_nothing_to_check_and_bad_arguments():
         check_progress(_run(), floor=2.0)
     with pytest.raises(ValueError, match="n >= 1"):
         check_progress([Sample(1.0, 10, 10, n=0)])
+
+
+def test_min_seconds_holds_fast_runs_to_a_floor():
+    # Sub-second latencies on a busy machine: one slow step makes a 0.6 s request 6x its class.
+    samples = [Sample(0.1, 10, 8, label=f"fast{i}") for i in range(20)] + [Sample(0.6, 10, 8, label="one slow step")]
+    assert not check_progress(samples, max_ratio=4.0).passed
+    report = check_progress(samples, max_ratio=4.0, min_seconds=1.0)
+    assert report.passed and report.worst.label == "one slow step" and report.worst_ratio == pytest.approx(0.6)
+    assert not check_progress(samples + [Sample(30.0, 10, 8, label="starved")], max_ratio=4.0, min_seconds=1.0).passed
+    with pytest.raises(ValueError, match="min_seconds must be >= 0"):
+        check_progress(samples, min_seconds=-1.0)
