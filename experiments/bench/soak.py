@@ -429,7 +429,7 @@ def run() -> dict:
         "load_seconds": round(load_seconds, 2),
         "outcomes": dict(counts),
         "statuses": dict(statuses),
-        "hostile": dict(collections.Counter(o.sample.label for o in outcomes if o.kind == "hostile" and o.sample)),
+        "hostile": _by_label([o.sample for o in outcomes if o.kind == "hostile" and o.sample], progress),
         "num_preemptions": metrics.get("jaxserve:num_preemptions_total"),
         "num_free_blocks": free, "num_cached_blocks": cached, "num_usable_blocks": usable,
         "num_leaked_blocks": None if free is None or cached is None else usable - free - cached,
@@ -454,6 +454,16 @@ def run() -> dict:
     if failures:
         result["server_log_tail"] = "".join(server.lines[-60:])
     return result
+
+
+def _by_label(samples: list[Sample], progress) -> dict:
+    """Per hostile case: how many finished, their median and longest latency (s), their worst progress ratio."""
+    by: dict[str, list[float]] = collections.defaultdict(list)
+    for s in samples:
+        by[s.label].append(s.latency)
+    return {label: {"count": len(v), "median_s": _percentile(v, 0.5), "max_s": round(max(v), 3),
+                    "worst_ratio": progress.worst_by_label.get(label)}
+            for label, v in sorted(by.items())}
 
 
 def _percentile(values: list[float], q: float) -> float | None:

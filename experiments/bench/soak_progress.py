@@ -42,6 +42,7 @@ class ProgressReport:
     worst_median: float | None  # that class's median latency (before the floor)
     num_over: int  # requests over max_ratio
     top: list[tuple[float, str]]  # the five highest ratios and their requests
+    worst_by_label: dict[str, float] = dataclasses.field(default_factory=dict)  # the highest ratio per label
 
     @property
     def passed(self) -> bool:
@@ -115,6 +116,10 @@ def check_progress(samples: list[Sample], *, max_ratio: float = 8.0, min_class_s
         ratio = s.latency / denominator if denominator > 0 else (0.0 if s.latency == 0 else float("inf"))
         rated.append((ratio, s, key, median))
     rated.sort(key=lambda r: r[0], reverse=True)
+    by_label: dict[str, float] = {}
+    for r in rated:  # highest first
+        by_label.setdefault(r[1].label, round(r[0], 3))
     ratio, worst, key, median = rated[0]
     return ProgressReport(max_ratio, len(samples), ratio, worst, _describe(key), median,
-                          sum(r[0] > max_ratio for r in rated), [(round(r[0], 2), r[1].label) for r in rated[:5]])
+                          sum(r[0] > max_ratio for r in rated), [(round(r[0], 2), r[1].label) for r in rated[:5]],
+                          by_label)

@@ -32,6 +32,8 @@ def test_short_soak_passes_every_check(tmp_path):
     assert result["num_leaked_blocks"] == 0
     # Every hostile case ran to the end and was held to its class; every finished request counted.
     assert set(result["hostile"]) == {"echo+logprobs long prompt", "n=3 long outputs", "prompt near max_model_len"}
+    assert all(case["count"] > 0 and 0 < case["median_s"] <= case["max_s"] and case["worst_ratio"] <= 8
+               for case in result["hostile"].values())
     progress = result["progress"]
     assert progress["num_checked"] == result["outcomes"]["good"] + result["outcomes"]["hostile"]
     assert progress["num_over"] == 0 and progress["worst_ratio"] <= progress["max_ratio"]

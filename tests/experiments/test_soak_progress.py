@@ -38,6 +38,8 @@ def test_a_starved_request_fails_the_run_and_is_named():
     assert 3 < report.worst_median < 6 and report.worst_ratio == pytest.approx(300 / report.worst_median)
     assert "prompt tokens 512-1023" in report.worst_class and "scored" in report.worst_class
     assert "the 787-token echo" in report.summary() and report.top[0][1] == "the 787-token echo"
+    assert report.worst_by_label["the 787-token echo"] == round(report.worst_ratio, 3)
+    assert report.worst_by_label["short0"] < 2  # every label's highest ratio
 
 
 def test_a_class_too_small_borrows_the_next_coarser():
