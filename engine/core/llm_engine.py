@@ -178,7 +178,8 @@ class LLMEngine:
         a constrained request is compiled here (the LRU makes a repeat free). `base_seed`: the
         sampling seed of an unseeded request (default: the engine's counter). `resume`: the prompt
         ran elsewhere (the prefill pool, engine/disaggregation/pd_engine.py): each sequence starts
-        with its first token, and the prompt's KV is expected in the prefix cache."""
+        with its first token, and the prompt's KV is expected in the prefix cache; or with every
+        token a lost decode pool had made, recomputed here (PDEngine's degraded mode)."""
         self._check_alive()
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -233,7 +234,7 @@ class LLMEngine:
             state.prompt_logprobs = resume.prompt_logprobs
             for seq, first in zip(state.seqs, resume.first, strict=True):
                 if seq.resume_from(first, resume.first_token_time) is None:
-                    self._advance_mask_state(seq, first.token_ids[:1], {})
+                    self._advance_mask_state(seq, list(first.token_ids), {})
         return state
 
     def submit(self, state: RequestState) -> None:
