@@ -158,6 +158,9 @@ def define_flags() -> None:
                         "with the draft's model spec, draft_head with the head's folder).")
     flags.DEFINE_string("disaggregation", None, "As the server takes it, e.g. prefill:2,decode:2: "
                         "also compiles the KV gather and scatter between the pools.")
+    flags.DEFINE_bool("roofline", True, "On TPU, also compile each bucket unrolled at one and two layer "
+                      "periods: FLOPs and bytes of every layer (XLA's cost analysis counts a scan's body "
+                      "once); about doubles the compile time.")
     flags.DEFINE_string("output_json", "", "Write the report here.")
     flags.DEFINE_string("save_executables", "", "Write every compiled step and a manifest here, "
                         "for the server's --load_executables.")
@@ -200,7 +203,8 @@ def main(argv: Sequence[str]) -> None:
         config = engine_config_from_flags(f)
         model = capacity_tool.model_config_for(f.model)
         draft_model, draft_head = draft_configs(config)
-        build = compile_for_target(config, model, f.target, draft_model=draft_model, draft_head=draft_head)
+        build = compile_for_target(config, model, f.target, draft_model=draft_model, draft_head=draft_head,
+                                   roofline=f.roofline)
     except ValueError as e:
         sys.exit(f"experiments.aot: {e}")
     r = report(build, model, config)

@@ -176,11 +176,12 @@ def target_figures(target_name: str) -> tuple[str, int, int, float, float]:
 
 
 def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: str, *,
-                       draft_model: ModelConfig | None = None, draft_head=None,
+                       draft_model: ModelConfig | None = None, draft_head=None, roofline: bool = True,
                        progress=print) -> Build:
     """Every bucket's step compiled for `target_name` (see the module docstring). With
     speculative_config's draft_model (its ModelConfig as `draft_model`) or draft_head (its
-    DraftHeadConfig as `draft_head`), the draft's own programs too."""
+    DraftHeadConfig as `draft_head`), the draft's own programs too. roofline=False: on TPU, the
+    FLOPs and bytes are the scanned program's own (one layer's), without the unrolled compiles."""
     platform, hbm, usable, peak, bandwidth = target_figures(target_name)
     spec = config.speculative_config
     drafting = spec.method if spec is not None and spec.method in ("draft_model", "draft_head") else None
@@ -228,7 +229,7 @@ def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: st
     step = make_step(model, shapes, attention_backend=backend, interpret=False,
                      layer_loop=layer_loop, placement=placement, keep_hidden=keep_hidden)
     cost_model = _LayerCost(model, shapes, backend, dtype, placement_for, devices[0]) \
-        if platform == "tpu" and layer_loop != "unrolled" else None
+        if roofline and platform == "tpu" and layer_loop != "unrolled" else None
     results = _compile_buckets(step, shapes, shapes.all_buckets(), state, replicated, layer_loop=layer_loop,
                                num_layers=model.num_layers, peak=peak, bandwidth=bandwidth,
                                cost_model=cost_model, progress=progress)
