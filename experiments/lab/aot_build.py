@@ -230,9 +230,11 @@ def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: st
                      layer_loop=layer_loop, placement=placement, keep_hidden=keep_hidden)
     cost_model = _LayerCost(model, shapes, backend, dtype, placement_for, devices[0]) \
         if roofline and platform == "tpu" and layer_loop != "unrolled" else None
+    # Without the unrolled compiles a scanned program's own cost holds one layer: none reported.
     results = _compile_buckets(step, shapes, shapes.all_buckets(), state, replicated, layer_loop=layer_loop,
                                num_layers=model.num_layers, peak=peak, bandwidth=bandwidth,
-                               cost_model=cost_model, progress=progress)
+                               cost_model=cost_model, progress=progress,
+                               own_cost=layer_loop == "unrolled" or platform != "tpu")
     draft = None
     if drafting == "draft_model":
         draft = _draft_model_programs(draft_model, shapes, dtype=dtype, backend=backend, layer_loop=layer_loop,
@@ -275,7 +277,7 @@ def _kv_leaf(kv_config: ModelConfig, num_blocks: int, bs: int, dtype: str, backe
 
 def _compile_buckets(step, shapes: RunnerShapes, buckets, state, replicated, *, layer_loop: str,
                      num_layers: int, peak: float, bandwidth: float, cost_model=None, progress=print,
-                     label: str = "bucket") -> list[BucketResult]:
+                     label: str = "bucket", own_cost: bool = True) -> list[BucketResult]:
     builder = BatchBuilder(max_blocks_per_seq=shapes.max_blocks_per_seq, block_size=shapes.block_size,
                            vocab_size=shapes.sample_vocab_size)
     results = []
@@ -296,8 +298,10 @@ def _compile_buckets(step, shapes: RunnerShapes, buckets, state, replicated, *, 
         mem = compiled.memory_analysis()
         if cost_model is not None:  # the loop's cost counted once per layer, not once in all
             flops, accessed = cost_model.cost(bucket, builder)
-        else:
+        elif own_cost:
             flops, accessed = _cost(compiled)
+        else:
+            flops = accessed = None
         roof = max(flops / peak, accessed / bandwidth) if flops is not None and accessed is not None else None
         decode = bucket.padded_tokens == bucket.padded_seqs and bucket.padded_logits == bucket.padded_seqs
         inside, outside = count_collectives(compiled.as_text() or "")
