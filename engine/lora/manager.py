@@ -42,6 +42,7 @@ class LoRAManager:
         self._lock = threading.Lock()
         self._host: collections.OrderedDict[int, LoadedAdapter] = collections.OrderedDict()  # by lora_int_id
         self._by_name: dict[str, LoRARequest] = {}
+        self._seen: dict[int, LoRARequest] = {}  # lora_int_id -> its request, evicted or not
         self._keys = itertools.count(1)
         self._ids = itertools.count(1)
         self.num_disk_loads = 0
@@ -51,7 +52,7 @@ class LoRAManager:
     def new_id(self) -> int:
         """An lora_int_id not used by any registered adapter."""
         with self._lock:
-            used = {r.lora_int_id for r in self._by_name.values()} | set(self._host)
+            used = {r.lora_int_id for r in self._by_name.values()} | set(self._host) | set(self._seen)
             while True:
                 i = next(self._ids)
                 if i not in used:
@@ -81,6 +82,7 @@ class LoRAManager:
             if request is None:
                 return False
             self._host.pop(request.lora_int_id, None)
+            self._seen.pop(request.lora_int_id, None)
             return True
 
     def resolve(self, request: LoRARequest | str) -> LoadedAdapter:
@@ -93,12 +95,13 @@ class LoRAManager:
         if not isinstance(request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest, got {type(request).__name__}")
         with self._lock:
+            seen = self._seen.get(request.lora_int_id)
+            if seen is not None and seen != request:
+                raise ValueError(f"lora_request: lora_int_id {request.lora_int_id} is already "
+                                 f"{seen.lora_name!r} at {seen.lora_path!r}; "
+                                 f"cannot also be {request.lora_name!r} at {request.lora_path!r}")
             held = self._host.get(request.lora_int_id)
             if held is not None:
-                if held.request != request:
-                    raise ValueError(f"lora_request: lora_int_id {request.lora_int_id} is already "
-                                     f"{held.request.lora_name!r} at {held.request.lora_path!r}; "
-                                     f"cannot also be {request.lora_name!r} at {request.lora_path!r}")
                 self._host.move_to_end(request.lora_int_id)
                 return held
         weights = load_peft_adapter(request.lora_path, self.model_config, self.max_lora_rank)
@@ -108,6 +111,7 @@ class LoRAManager:
                 return held
             adapter = LoadedAdapter(request, weights, next(self._keys))
             self._host[request.lora_int_id] = adapter
+            self._seen[request.lora_int_id] = request
             self.num_disk_loads += 1
             while len(self._host) > self.max_cpu_loras:
                 self._host.popitem(last=False)

@@ -15,7 +15,9 @@ merged into its weights (W + scale * B A, models/lora.merge_lora):
 import asyncio
 import threading
 
-import httpx
+import json
+import urllib.error
+import urllib.request
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,7 +34,7 @@ from models.lora import load_peft_adapter, merge_lora
 from tests.models.lora_files import adapter_tensors, write_adapter
 
 KNOBS = dict(model="random:tiny", enable_lora=True, max_lora_rank=8, max_num_seqs=8, max_num_batched_tokens=32,
-             max_model_len=96, block_size=16, num_kv_blocks=6 * 8 + 1, token_buckets=(8, 32), seq_buckets=(8,),
+             max_model_len=96, block_size=16, num_kv_blocks=6 * 8 + 1, token_buckets=(32,), seq_buckets=(8,),
              compilation_cache_dir=None, prompt_scoring_bucket=False)
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # (rank, alpha, targets, rsLoRA) of the eight adapters
@@ -100,13 +102,17 @@ def _run(engine, jobs):
 
 
 def _check(setup, which, prompt, out):
-    """Greedy tokens are the merged model's argmax; their logprobs its log-softmax within 1e-4."""
+    """Greedy tokens are the merged model's argmax; the first one's logprob (the prompt's last
+    position) its log-softmax within 1e-4, the later ones' within 3e-4 (float32: the unmerged
+    products round differently from the merged weights, and the differences ride in the cache)."""
     completion = out.outputs[0]
     assert completion.error is None and len(completion.token_ids) == NEW_TOKENS
     logp = setup["reference"](which, prompt, completion.token_ids)
     assert completion.token_ids == np.argmax(logp, axis=-1).tolist(), f"adapter {which}"
-    got = [lp[t] for lp, t in zip(completion.logprobs, completion.token_ids)]
-    np.testing.assert_allclose(got, logp[np.arange(NEW_TOKENS), completion.token_ids], atol=1e-4)
+    got = np.array([lp[t] for lp, t in zip(completion.logprobs, completion.token_ids)])
+    want = logp[np.arange(NEW_TOKENS), completion.token_ids]
+    assert abs(got[0] - want[0]) < 1e-4
+    np.testing.assert_allclose(got, want, atol=3e-4)
 
 
 def test_alone_and_mixed_with_the_base_and_four_adapters(setup, engine4):
@@ -141,13 +147,14 @@ def test_eight_adapters_over_two_slots_without_recompiling(setup, engine2):
 
 
 def test_prefix_cache_keeps_adapters_apart(setup, engine2):
-    prompt = setup["prompts"][2] * 2  # two full blocks
+    prompt = setup["prompts"][2] * 2
+    assert len(prompt) == 56  # three full blocks
     loras = setup["requests"]
     first, _ = _run(engine2, [("p1", prompt, loras[1])])
     again, _ = _run(engine2, [("p1b", prompt, loras[1])])
     other, _ = _run(engine2, [("p2", prompt, loras[2])])
     base, _ = _run(engine2, [("p0", prompt, None)])
-    assert again["p1b"].metrics.num_cached_tokens == 32  # its own blocks are found again
+    assert again["p1b"].metrics.num_cached_tokens == 48  # its own blocks are found again
     assert other["p2"].metrics.num_cached_tokens == 0 and base["p0"].metrics.num_cached_tokens == 0
     _check(setup, 2, prompt, again["p1b"])
     _check(setup, 3, prompt, other["p2"])
@@ -238,18 +245,26 @@ def test_server_with_the_openai_client(setup, expected, engine2, server):
                            tensors={**adapter_tensors(setup["config"], rank=4, targets=("q_proj",), seed=1),
                                     "base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight":
                                         np.zeros((3, 4), np.float32)})
-    load = httpx.post(server + "/v1/load_lora_adapter", json={"lora_name": "broken", "lora_path": broken},
-                      headers=headers)
-    assert load.status_code == 400
-    assert "model.layers.1.self_attn.q_proj.lora_B.weight has shape [3, 4]" in load.json()["error"]["message"]
-    assert httpx.post(server + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": broken}).status_code == 401
-    good = httpx.post(server + "/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": setup["paths"][5]},
-                      headers=headers)
-    assert good.status_code == 200, good.text
+    status, body = _post(server + "/v1/load_lora_adapter", {"lora_name": "broken", "lora_path": broken}, headers)
+    assert status == 400
+    assert "model.layers.1.self_attn.q_proj.lora_B.weight has shape [3, 4]" in json.loads(body)["error"]["message"]
+    assert _post(server + "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": broken}, {})[0] == 401
+    status, body = _post(server + "/v1/load_lora_adapter", {"lora_name": "late", "lora_path": setup["paths"][5]},
+                         headers)
+    assert status == 200, body
     late = client.completions.create(model="late", **kwargs)  # the server kept serving
     assert late.choices[0].text == expected["e5"]
     assert "late" in {m.id for m in client.models.list().data}
-    assert httpx.post(server + "/v1/unload_lora_adapter", json={"lora_name": "late"}, headers=headers).status_code == 200
-    assert httpx.post(server + "/v1/unload_lora_adapter", json={"lora_name": "late"}, headers=headers).status_code == 404
+    assert _post(server + "/v1/unload_lora_adapter", {"lora_name": "late"}, headers)[0] == 200
+    assert _post(server + "/v1/unload_lora_adapter", {"lora_name": "late"}, headers)[0] == 404
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="late", **kwargs)
+
+
+def _post(url: str, body: dict, headers: dict) -> tuple[int, str]:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json", **headers})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()

@@ -20,6 +20,7 @@ from models.lora import (
     LoRAError,
     allocate_lora_buffers,
     load_peft_adapter,
+    lora_delta,
     merge_lora,
     write_slot,
 )
@@ -71,7 +72,7 @@ def test_refusals_name_the_tensor_or_field(tmp_path):
     _expect_error(tmp_path, r"layers\.0\.self_attn\.qkv\.lora_A\.weight.*unknown module", tensors=unknown)
     head = {**good, "base_model.model.lm_head.lora_A.weight": np.zeros((4, 64), np.float32)}
     _expect_error(tmp_path, r"lm_head\.lora_A\.weight", tensors=head)
-    _expect_error(tmp_path, r"target_modules has 'embed_tokens'", targets=("q_proj", "embed_tokens"))
+    _expect_error(tmp_path, r"target_modules has 'embed_tokens'", targets=("q_proj", "embed_tokens"), tensors=good)
     _expect_error(tmp_path, r"r=16 exceeds max_lora_rank=8", rank=16)
     missing = {k: v for k, v in good.items() if k != name}
     _expect_error(tmp_path, r"layer 0 v_proj: lora_B\.weight is missing", tensors=missing)
@@ -117,9 +118,31 @@ def test_paged_forward_with_adapters_equals_merged_dense(tmp_path, fast_compile)
                 for p, s in zip(references, seqs)]
     base_last = np.asarray(dense(params, jnp.asarray(np.pad(seqs[1], (0, 32 - len(seqs[1]))))))[len(seqs[1]) - 1]
     assert np.abs(expected[1] - base_last).max() > 0.1  # the adapter changes the logits
-    for method in LORA_METHODS:
+    for method in ("masked", "ragged"):  # the CPU's form and the accelerators' (gather: below)
         step = jax.jit(lambda p, c, b, m=method: forward_paged(p, CONFIG, c, b, scan_layers=True, lora_method=m))
         _, logits = step(served, cache, batch)
         for row in range(3):
             np.testing.assert_allclose(np.asarray(logits[row]), expected[row], atol=1e-4, rtol=1e-4,
                                        err_msg=f"{method}, row {row}")
+
+
+def test_the_three_product_forms_equal_a_per_token_reference():
+    """lora_delta for gather, ragged and masked against numpy, token by token: fused segments
+    (q/k/v), unsorted slots, the zero slot 0, a traced layer index."""
+    rng = np.random.default_rng(1)
+    layers, slots, n_seg, rank, e = 2, 4, 3, 4, 16
+    segments = ((0, 8), (8, 12), (12, 16))
+    a = rng.normal(size=(layers, slots, n_seg * rank, e)).astype(np.float32)
+    b = rng.normal(size=(layers, slots, 16, rank)).astype(np.float32)
+    a[:, 0], b[:, 0] = 0, 0
+    x = rng.normal(size=(7, e)).astype(np.float32)
+    token_slots = np.array([2, 0, 3, 2, 1, 0, 3], np.int32)
+    expected = np.zeros((7, 16), np.float32)
+    for t, s in enumerate(token_slots):
+        u = a[1, s] @ x[t]
+        for j, (start, end) in enumerate(segments):
+            expected[t, start:end] = b[1, s, start:end] @ u[j * rank : (j + 1) * rank]
+    for method in LORA_METHODS:
+        got = jax.jit(lambda x, a, b, s, layer, m=method: lora_delta(x, a, b, s, layer, segments, method=m))(
+            x, a, b, token_slots, jnp.int32(1))
+        np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-5, err_msg=method)
