@@ -10,7 +10,6 @@ import dataclasses
 
 # Features that do not run with adapters yet: refused by name when enable_lora is on.
 _REFUSED_WITH_LORA = {
-    "tensor_parallel_size": lambda c: c.tensor_parallel_size != 1,
     "data_parallel_size": lambda c: c.data_parallel_size != 1,
     "num_processes": lambda c: c.num_processes != 1,
     "disaggregation": lambda c: c.disaggregation is not None,

@@ -76,6 +76,22 @@ LLAMA_RULES: dict[str, P] = {
 }
 KV_CACHE_SPEC = P(None, None, None, MODEL_AXIS, None)  # [L, num_blocks, block_size, Hkv, D]
 
+# How the adapter buffers split over the mesh axis "model", matching the base layer (Megatron):
+# column-parallel q/k/v and gate/up: B by its output rows (per-shard fused order, as qkv_proj and
+# gate_up_proj), A replicated; row-parallel o/down: A by its input columns, B replicated, so each
+# device's partial delta joins the base product's partial sum in the same all-reduce.
+LORA_SPLITS = {"qkv_proj": ("b", 2), "gate_up_proj": ("b", 2), "o_proj": ("a", 3), "down_proj": ("a", 3)}
+
+
+def lora_partition_specs(buffers: dict, axis: str) -> dict:
+    out = {}
+    for product, ab in buffers.items():
+        which, dim = LORA_SPLITS[product]
+        out[product] = {k: P(*[axis if (k == which and i == dim) else None for i in range(4)]) for k in ab}
+    return out
+
+
+
 
 @dataclasses.dataclass(frozen=True)
 class TPLayout:
@@ -143,7 +159,9 @@ def param_specs(params: dict, config: ModelConfig | None = None) -> dict:
 
         table = FAMILIES[config.architecture].sharding
     layers = params["layers"]
-    top = {name: _spec(name, a, table) for name, a in params.items() if name != "layers"}
+    top = {name: _spec(name, a, table) for name, a in params.items() if name not in ("layers", "lora")}
+    if "lora" in params:  # LoRA adapter slots (models/lora.py), split as the layers they modify
+        top["lora"] = lora_partition_specs(params["lora"], MODEL_AXIS)
     if isinstance(layers, list):
         return {**top, "layers": [{n: _spec(n, a, table) for n, a in layer.items()} for layer in layers]}
     return {**top, "layers": {n: _spec(n, a, table, stacked=True) for n, a in layers.items()}}
@@ -293,7 +311,8 @@ def check_family_table(config: ModelConfig, params: dict) -> None:
 
 
 def forward_paged_sharded(params: dict, layout: TPLayout, kv_cache: tuple, batch, *, mesh,
-                          attention_backend: str, interpret: bool = False, scan_layers: bool = False):
+                          attention_backend: str, interpret: bool = False, scan_layers: bool = False,
+                          lora_method: str = "masked"):
     """models/llama.forward_paged under shard_map over "model": every device runs its own heads
     (attention, whichever backend, on its local heads and its local KV-cache shard) and its MLP
     slice; returns the sharded cache and the full logits [L, v padded], replicated."""
@@ -303,7 +322,8 @@ def forward_paged_sharded(params: dict, layout: TPLayout, kv_cache: tuple, batch
 
     def local(p, cache, b):
         return forward_paged(p, layout.local, cache, b, attention_backend=attention_backend,
-                             interpret=interpret, tp_axis=MODEL_AXIS, scan_layers=scan_layers)
+                             interpret=interpret, tp_axis=MODEL_AXIS, scan_layers=scan_layers,
+                             lora_method=lora_method)
 
     mapped = jax.shard_map(local, mesh=mesh, in_specs=(param_specs(params, layout.local), cache_specs, P()),
                            out_specs=(cache_specs, P()), check_vma=False)

@@ -151,7 +151,7 @@ def build_parts(config: EngineConfig, *, progress: bool = True, mesh=None, loade
         lora_manager = LoRAManager(loaded.config, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
                                    max_cpu_loras=config.max_cpu_loras, lora_modules=config.lora_modules)
         lora_slots = LoRASlots(loaded.config, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
-                               dtype=dtype)
+                               dtype=dtype, placement=placement)
         lora_method = config.lora_product or LORA_PRODUCT.get(platform, "ragged")
     start = time.perf_counter()
     runner = ModelRunner(loaded.config, params, shapes, dtype=dtype, attention_backend=backend,

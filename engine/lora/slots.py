@@ -15,16 +15,33 @@ import jax
 import numpy as np
 
 from models.config import ModelConfig
-from models.lora import allocate_lora_buffers, lora_buffer_shapes, write_slot
+from models.lora import allocate_lora_buffers, lora_buffer_shapes, shard_lora_values, write_slot
 from scheduler import SchedulerOutput
 
 
 class LoRASlots:
-    def __init__(self, config: ModelConfig, *, max_loras: int, max_lora_rank: int, dtype):
+    def __init__(self, config: ModelConfig, *, max_loras: int, max_lora_rank: int, dtype, placement=None):
+        """placement (engine/step/placement.py): on a mesh the buffers are laid out for the padded,
+        per-shard fused weights and split like them (models/sharding.py LORA_SPLITS)."""
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
-        self.buffers = allocate_lora_buffers(config, max_loras + 1, max_lora_rank, dtype)
-        self._write = jax.jit(write_slot, donate_argnums=(0,))
+        self.config = config
+        self.layout = None if placement is None else placement.layout
+        shape_config = config if placement is None else placement.layout.padded
+        if placement is None:
+            self.buffers = allocate_lora_buffers(config, max_loras + 1, max_lora_rank, dtype)
+            self._write = jax.jit(write_slot, donate_argnums=(0,))
+        else:
+            from jax.sharding import NamedSharding
+
+            from models.sharding import MODEL_AXIS, lora_partition_specs
+
+            abstract = jax.eval_shape(lambda: allocate_lora_buffers(shape_config, max_loras + 1, max_lora_rank, dtype))
+            shardings = jax.tree.map(lambda spec: NamedSharding(placement.mesh, spec),
+                                     lora_partition_specs(abstract, MODEL_AXIS))
+            self.buffers = jax.jit(lambda: allocate_lora_buffers(shape_config, max_loras + 1, max_lora_rank, dtype),
+                                   out_shardings=shardings)()
+            self._write = jax.jit(write_slot, donate_argnums=(0,), out_shardings=shardings)
         self._key_of_slot: list[int | None] = [None] * (max_loras + 1)
         self._slot_of_key: dict[int, int] = {}
         self._refs = [0] * (max_loras + 1)
@@ -36,7 +53,7 @@ class LoRASlots:
         # Compile the slot write now (writing zeros into slot 0), so loading an adapter later
         # never compiles.
         zeros = {p: {k: np.zeros(shape[:1] + shape[2:], np.float32) for k, shape in ab.items()}
-                 for p, ab in lora_buffer_shapes(config, max_loras + 1, max_lora_rank).items()}
+                 for p, ab in lora_buffer_shapes(shape_config, max_loras + 1, max_lora_rank).items()}
         self.buffers = self._write(self.buffers, np.int32(0), zeros)
 
     @property
@@ -70,6 +87,8 @@ class LoRASlots:
                                    f"(adapter {adapter.name!r} for {req_id!r}); the scheduler admits at "
                                    "most max_loras distinct adapters")
             values = {p: {"a": adapter.weights.a[p], "b": adapter.weights.b[p]} for p in self.buffers}
+            if self.layout is not None:
+                values = shard_lora_values(adapter.weights.a, adapter.weights.b, self.config, self.layout)
             self.buffers = self._write(self.buffers, np.int32(slot), values)
             self._key_of_slot[slot] = adapter.key
             self._slot_of_key[adapter.key] = slot

@@ -93,8 +93,6 @@ class ModelRunner:
                                               dtype, bits=bits, sharding=placement.kv_sharding)
         self.lora = lora
         if lora is not None:
-            if placement is not None:
-                raise ValueError("LoRA adapters run on one device (no placement) for now")
             self.params = {**self.params, "lora": lora.buffers}
         self.table = RequestTable(shapes.max_num_seqs, shapes.sample_vocab_size,
                                   sharding=None if placement is None else placement.replicated)

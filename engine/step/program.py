@@ -69,7 +69,7 @@ def make_step(config: ModelConfig, shapes: RunnerShapes, *, attention_backend: s
         if keep_hidden:
             raise ValueError("ModelRunner(keep_hidden=True) runs on one device (no placement)")
         forward = placement.forward(attention_backend=attention_backend, interpret=interpret,
-                                    layer_loop=layer_loop)
+                                    layer_loop=layer_loop, lora_method=lora_method)
     hidden_rows = shapes.max_logits if keep_hidden else 0
     return functools.partial(_step, forward=forward, num_logprobs=shapes.num_logprobs,
                              sample_vocab_size=shapes.sample_vocab_size,
