@@ -66,8 +66,8 @@ def check_lora_config(config) -> None:
         if config.max_cpu_loras < config.max_loras:
             raise ValueError(f"EngineConfig.max_cpu_loras ({config.max_cpu_loras}) must be >= max_loras "
                              f"({config.max_loras}): an adapter in a device slot is also kept in host memory")
-    if config.lora_product is not None and config.lora_product not in ("gather", "ragged", "masked"):
-        raise ValueError(f"EngineConfig.lora_product must be one of gather, ragged, masked, got "
+    if config.lora_product is not None and config.lora_product not in ("gather", "ragged", "masked", "auto"):
+        raise ValueError(f"EngineConfig.lora_product must be one of gather, ragged, masked, auto, got "
                          f"{config.lora_product!r}")
     if config.lora_modules is not None:
         object.__setattr__(config, "lora_modules", tuple(config.lora_modules))

@@ -6,10 +6,12 @@
    tokens each, greedy, ignore_eos), all submitted at once, so after the prefill steps every step
    is a decode step of the whole batch. Adapters: `max(--adapters)` random PEFT adapters of rank
    `--rank` on every module (q/k/v/o/gate/up/down), written to a temporary folder.
-2. Arms: the base model alone (an engine without LoRA), then on one engine with `max_loras` =
-   max(--adapters) slots of rank `--max_lora_rank`, per product form (`--lora_products`,
-   models/lora.py), the same requests spread round-robin over 0, 1, 4, 16 distinct adapters (0:
-   every row the base model, in the LoRA engine: the fixed-shape products still run).
+2. Arms: the base model alone (an engine without LoRA); then engines with `max_loras` =
+   max(--adapters) slots of rank `--max_lora_rank`, one per product form (`--lora_products`,
+   models/lora.py): the first form with the requests spread round-robin over 0, 1, 4, 16 distinct
+   adapters (0: every row the base model, in the LoRA engine: the fixed-shape products still
+   run), the other forms at 16. All engines are built first; the arms run interleaved,
+   `--repeats` times, and each arm reports its medians.
 3. Reported per arm: decode throughput (output tokens of the decode steps / their time), the
    median decode step, p50/p95 inter-token latency (gaps between a request's tokens), and each
    arm's decode step over the base's. Goal (issue 31): 16 adapters in a batch of 32 within 1.5x
@@ -35,8 +37,9 @@ _OUTPUT_LEN = flags.DEFINE_integer("output_len", 24, "Output tokens per request.
 _ADAPTERS = flags.DEFINE_list("adapters", ["0", "1", "4", "16"], "Distinct adapters per arm.")
 _RANK = flags.DEFINE_integer("rank", 8, "Rank of the random adapters.")
 _MAX_LORA_RANK = flags.DEFINE_integer("max_lora_rank", 16, "Slot rank (adapters are padded to it).")
-_PRODUCTS = flags.DEFINE_list("lora_products", ["masked"], "Product forms to measure (gather, ragged, masked).")
-_REPEATS = flags.DEFINE_integer("repeats", 1, "Runs of each arm (medians over them).")
+_PRODUCTS = flags.DEFINE_list("lora_products", ["auto", "masked", "gather", "ragged"],
+                              "Product forms: the first at every adapter count, the others at the most.")
+_REPEATS = flags.DEFINE_integer("repeats", 2, "Runs of each arm, interleaved (medians over them).")
 _SEED = flags.DEFINE_integer("seed", 0, "Prompts and adapter weights.")
 _OUT_DIR = flags.DEFINE_string("out_dir", "experiments/results", "Where results go.")
 _NAME = flags.DEFINE_string("name", "exp_lora", "Result file name (no extension).")
@@ -116,34 +119,38 @@ def main(argv: Sequence[str]) -> None:
     t_start = time.perf_counter()
     n = _NUM_REQUESTS.value
     counts = [int(c) for c in _ADAPTERS.value]
+    products = list(_PRODUCTS.value)
     knobs = dict(model=_MODEL.value, max_num_seqs=n, max_num_batched_tokens=256, max_model_len=128,
                  token_buckets=(n, 256), seq_buckets=(n,), num_kv_blocks=n * 8 + 1, prompt_scoring_bucket=False)
-    base = LLMEngine(EngineConfig(**knobs), progress=False)
+    engines = {"base": LLMEngine(EngineConfig(**knobs), progress=False)}
+    base = engines["base"]
     rng = np.random.default_rng(_SEED.value)
     prompts = [rng.integers(10, base.runner.sample_vocab_size, _PROMPT_LEN.value).tolist() for _ in range(n)]
-    arms: dict[str, dict] = {}
-    run_arm(base, prompts[:2], [None, None])  # warm-up
-    arms["base (no LoRA)"] = median_arm([run_arm(base, prompts, [None] * n) for _ in range(_REPEATS.value)])
-    print("base", arms["base (no LoRA)"], flush=True)
-    config = base.model_config
-    del base
-    compiles = {}
-    with tempfile.TemporaryDirectory() as folder:
-        paths = write_adapters(folder, config, max(counts), _RANK.value, _SEED.value)
-        requests = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(paths)]
-        for product in _PRODUCTS.value:
-            engine = LLMEngine(EngineConfig(**knobs, enable_lora=True, max_loras=max(counts),
-                                            max_lora_rank=_MAX_LORA_RANK.value, max_cpu_loras=max(counts),
-                                            lora_product=product), progress=False)
-            run_arm(engine, prompts[:2], [requests[0], None])  # warm-up
-            before = num_backend_compilations()
-            for count in counts:
-                loras = [requests[i % count] if count else None for i in range(n)]
-                arms[f"{product}, {count} adapters"] = median_arm(
-                    [run_arm(engine, prompts, loras) for _ in range(_REPEATS.value)])
-                print(product, count, arms[f"{product}, {count} adapters"], flush=True)
-            compiles[product] = num_backend_compilations() - before
-            del engine
+    folder = tempfile.TemporaryDirectory()
+    paths = write_adapters(folder.name, base.model_config, max(counts), _RANK.value, _SEED.value)
+    requests = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(paths)]
+    for product in products:
+        engines[product] = LLMEngine(EngineConfig(**knobs, enable_lora=True, max_loras=max(counts),
+                                                  max_lora_rank=_MAX_LORA_RANK.value, max_cpu_loras=max(counts),
+                                                  lora_product=product), progress=False)
+    # Arms: the base alone; the first product at every adapter count; the others at the most.
+    plan = [("base (no LoRA)", "base", 0)] + [(f"{products[0]}, {c} adapters", products[0], c) for c in counts]
+    plan += [(f"{p}, {max(counts)} adapters", p, max(counts)) for p in products[1:]]
+    for name, engine in engines.items():  # warm-up (and every adapter read into host memory)
+        run_arm(engine, prompts[:2], [None, None] if name == "base" else [requests[0], None])
+        if name != "base":
+            for r in requests:
+                engine.lora_manager.resolve(r)
+    before = num_backend_compilations()
+    runs: dict[str, list[dict]] = {name: [] for name, _, _ in plan}
+    for _ in range(_REPEATS.value):  # arms interleaved, so a slow phase of the machine hits them alike
+        for name, engine_name, count in plan:
+            loras = [requests[i % count] if count else None for i in range(n)]
+            runs[name].append(run_arm(engines[engine_name], prompts, loras))
+            print(name, runs[name][-1], flush=True)
+    compiles = num_backend_compilations() - before
+    folder.cleanup()
+    arms = {name: median_arm(r) for name, r in runs.items()}
     base_step = arms["base (no LoRA)"]["decode_step_ms_p50"]
     for a in arms.values():
         a["step_vs_base"] = a["decode_step_ms_p50"] / base_step
@@ -155,7 +162,7 @@ def main(argv: Sequence[str]) -> None:
     text = (f"{n} requests, prompts of {_PROMPT_LEN.value} tokens, {_OUTPUT_LEN.value} output tokens each "
             f"(greedy); adapters rank {_RANK.value} on every module, slots of rank {_MAX_LORA_RANK.value}, "
             f"max_loras {max(counts)}; model {_MODEL.value} on {report.environment()['platform']}; "
-            f"compilations while the arms ran: {compiles}.\n\n"
+            f"medians of {_REPEATS.value} interleaved runs; compilations while the arms ran: {compiles}.\n\n"
             + report.markdown_table(headers, rows) + "\n" + report.goals_text(goals))
     print(text)
     summary = {"experiment": "exp_lora", "command": report.command_line(), "environment": report.environment(),

@@ -54,8 +54,11 @@ TARGET_MODULES = {
 }
 LORA_PRODUCTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 LORA_METHODS = ("gather", "ragged", "masked")
+# "auto": per bucket, "gather" up to GATHER_MAX_TOKENS tokens (decode steps: each token reads its
+# own adapter's rows), "masked" above (prefill: every slot's weights read once for all tokens).
 # Measured on the 2-core CPU (BUILD_NOTES.md "LoRA"); accelerators group by adapter.
-LORA_PRODUCT = {"cpu": "masked", "gpu": "ragged", "tpu": "ragged"}
+LORA_PRODUCT = {"cpu": "auto", "gpu": "ragged", "tpu": "ragged"}
+GATHER_MAX_TOKENS = 32
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -333,6 +336,8 @@ class LoRAStep:
         self.buffers = buffers
         self.slots = slots
         self.shapes = product_shapes(config)
+        if method == "auto":  # per bucket: the token count is static
+            method = "gather" if slots.shape[0] <= GATHER_MAX_TOKENS else "masked"
         self.method = method
 
     def wrap(self, product, layer):
@@ -345,36 +350,6 @@ class LoRAStep:
                                   self.shapes[name].segments, method=self.method)
 
         return with_lora
-
-
-# ---- tensor parallelism ----------------------------------------------------------------------
-
-def shard_lora_values(a: dict, b: dict, config: ModelConfig, layout) -> dict:
-    """One adapter's host layout (LoRAWeights.a / .b, the model's own head counts) -> the padded,
-    per-shard fused layout of models/sharding.py (TPLayout `layout`): padded heads and MLP columns
-    get zero rows, q/k/v (gate/up) rows are laid out shard after shard."""
-    from models.sharding import _fuse_per_shard, _pad, _pad_heads
-
-    kv, g, kp, tp, d = config.num_kv_heads, config.num_heads // config.num_kv_heads, layout.num_kv_heads, layout.tp, config.head_dim
-    out = {}
-    for product in a:
-        a_p, b_p = a[product], b[product]
-        n, r = a_p.shape[0], b_p.shape[-1]
-        if product == "qkv_proj":
-            q_rows, kv_rows = config.num_heads * d, config.num_kv_heads * d
-            parts = [b_p[:, :q_rows], b_p[:, q_rows : q_rows + kv_rows], b_p[:, q_rows + kv_rows :]]
-            heads = [_pad_heads(x.reshape(n, -1, d, r), 1, kv, group, kp) for x, group in zip(parts, (g, 1, 1))]
-            b_p = _fuse_per_shard(*heads, axis=1, tp=tp).reshape(n, -1, r)
-        elif product == "gate_up_proj":
-            f = config.intermediate_size
-            b_p = _fuse_per_shard(_pad(b_p[:, :f], 1, layout.intermediate_size),
-                                  _pad(b_p[:, f:], 1, layout.intermediate_size), axis=1, tp=tp)
-        elif product == "o_proj":
-            a_p = _pad_heads(a_p.reshape(n, a_p.shape[1], -1, d), 2, kv, g, kp).reshape(n, a_p.shape[1], -1)
-        elif product == "down_proj":
-            a_p = _pad(a_p, 2, layout.intermediate_size)
-        out[product] = {"a": np.ascontiguousarray(a_p), "b": np.ascontiguousarray(b_p)}
-    return out
 
 
 # ---- the reference -------------------------------------------------------------------------

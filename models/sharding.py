@@ -236,6 +236,32 @@ def _shard_experts(layer: dict, config: ModelConfig, layout: TPLayout, xp=np) ->
             "experts_down": xp.concatenate(blocks_d, axis=0)}
 
 
+def shard_lora_values(a: dict, b: dict, config: ModelConfig, layout: TPLayout) -> dict:
+    """One adapter's host layout (LoRAWeights.a / .b, the model's own head counts) -> the padded,
+    per-shard fused layout of models/sharding.py (TPLayout `layout`): padded heads and MLP columns
+    get zero rows, q/k/v (gate/up) rows are laid out shard after shard."""
+    kv, g, kp, tp, d = config.num_kv_heads, config.num_heads // config.num_kv_heads, layout.num_kv_heads, layout.tp, config.head_dim
+    out = {}
+    for product in a:
+        a_p, b_p = a[product], b[product]
+        n, r = a_p.shape[0], b_p.shape[-1]
+        if product == "qkv_proj":
+            q_rows, kv_rows = config.num_heads * d, config.num_kv_heads * d
+            parts = [b_p[:, :q_rows], b_p[:, q_rows : q_rows + kv_rows], b_p[:, q_rows + kv_rows :]]
+            heads = [_pad_heads(x.reshape(n, -1, d, r), 1, kv, group, kp) for x, group in zip(parts, (g, 1, 1))]
+            b_p = _fuse_per_shard(*heads, axis=1, tp=tp).reshape(n, -1, r)
+        elif product == "gate_up_proj":
+            f = config.intermediate_size
+            b_p = _fuse_per_shard(_pad(b_p[:, :f], 1, layout.intermediate_size),
+                                  _pad(b_p[:, f:], 1, layout.intermediate_size), axis=1, tp=tp)
+        elif product == "o_proj":
+            a_p = _pad_heads(a_p.reshape(n, a_p.shape[1], -1, d), 2, kv, g, kp).reshape(n, a_p.shape[1], -1)
+        elif product == "down_proj":
+            a_p = _pad(a_p, 2, layout.intermediate_size)
+        out[product] = {"a": np.ascontiguousarray(a_p), "b": np.ascontiguousarray(b_p)}
+    return out
+
+
 def to_host(a, dtype) -> np.ndarray:
     """A loader's array (numpy, or a device array fetched one tensor at a time) in `dtype`."""
     a = np.asarray(jax.device_get(a))

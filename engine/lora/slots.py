@@ -15,7 +15,8 @@ import jax
 import numpy as np
 
 from models.config import ModelConfig
-from models.lora import allocate_lora_buffers, lora_buffer_shapes, shard_lora_values, write_slot
+from models.lora import allocate_lora_buffers, lora_buffer_shapes, write_slot
+from models.sharding import shard_lora_values
 from scheduler import SchedulerOutput
 
 

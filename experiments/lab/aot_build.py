@@ -193,6 +193,22 @@ def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: st
         params = _with_sharding(params, shardings)
         replicated, kv_sharding = placement.replicated, NamedSharding(placement.mesh, KV_CACHE_SPEC)
         kv_config = placement.layout.padded
+    lora_method = "masked"
+    if config.enable_lora:  # the adapter slots join the served weights (engine/lora/slots.py)
+        from models.lora import LORA_PRODUCT, allocate_lora_buffers
+        from models.sharding import MODEL_AXIS, lora_partition_specs
+
+        lora_method = config.lora_product or LORA_PRODUCT[platform]
+        lora = jax.eval_shape(lambda: allocate_lora_buffers(
+            model if placement is None else placement.layout.padded, config.max_loras + 1,
+            config.max_lora_rank, jax.numpy.dtype(dtype)))
+        if placement is None:
+            lora_shardings = jax.tree.map(lambda _: SingleDeviceSharding(devices[0]), lora)
+        else:
+            lora_shardings = jax.tree.map(lambda s: NamedSharding(placement.mesh, s),
+                                          lora_partition_specs(lora, MODEL_AXIS),
+                                          is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+        params = {**params, "lora": _with_sharding(lora, lora_shardings)}
     weights = tree_bytes_per_device(params)
     per_block = bytes_per_block(kv_config, bs, dtype) // tp
     if config.num_kv_blocks is not None:
@@ -215,7 +231,7 @@ def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: st
     table = _with_sharding(table, jax.tree.map(lambda _: replicated, table))
     state = (params, (kv_leaf, kv_leaf), table)
     step = make_step(model, shapes, attention_backend=backend, interpret=False,
-                     layer_loop=layer_loop, placement=placement, keep_hidden=False)
+                     layer_loop=layer_loop, placement=placement, keep_hidden=False, lora_method=lora_method)
     builder = BatchBuilder(max_blocks_per_seq=max_blocks_per_seq, block_size=bs,
                            vocab_size=shapes.sample_vocab_size)
     results = []
