@@ -16,8 +16,10 @@ zero adapter, "none"), r the rank padded to max_lora_rank (R), n a product's sta
    served product (models/served_layout.py: qkv_proj, o_proj, gate_up_proj, down_proj). A fused
    product stacks its modules' A matrices on n (q, k, v: n = 3R; gate, up: n = 2R) and keeps one
    B [out, R] whose rows belong to one module each (its `segments`), so no block-diagonal zeros
-   are stored or multiplied. Device buffers: a [L, s, n, in], b [L, s, out, R], out-major like
-   the base weights; a rank below R is zero-padded (exact: zero columns add nothing).
+   are stored or multiplied. Device buffers: a [L, s, n, in], b [L, out, s, R], out-major like
+   the base weights (a layer's a is one [s * n, in] matrix, a segment's b one [out, s * R]
+   matrix, so "masked" runs two plain 2-D products); a rank below R is zero-padded (exact: zero
+   columns add nothing).
 3. Products (`lora_delta`): y += B_slot(A_slot x) for every token of the ragged batch, each
    with its row's slot (`StepInputs.lora_slots`). Three forms, fixed shapes all (so adding,
    swapping or mixing adapters never recompiles):
@@ -270,8 +272,11 @@ def load_peft_adapter(path: str | os.PathLike, config: ModelConfig, max_lora_ran
 def lora_buffer_shapes(config: ModelConfig, num_slots: int, max_lora_rank: int) -> dict:
     """product -> {"a": shape, "b": shape}; num_slots counts slot 0 (the zero adapter)."""
     n, R = config.num_layers, max_lora_rank
-    return {p: {"a": (n, num_slots, len(s.segments) * R, s.in_dim), "b": (n, num_slots, s.out_dim, R)}
+    return {p: {"a": (n, num_slots, len(s.segments) * R, s.in_dim), "b": (n, s.out_dim, num_slots, R)}
             for p, s in product_shapes(config).items()}
+
+
+SLOT_AXIS = {"a": 1, "b": 2}  # the slot axis of each buffer
 
 
 def allocate_lora_buffers(config: ModelConfig, num_slots: int, max_lora_rank: int, dtype) -> dict:
@@ -285,7 +290,7 @@ def write_slot(buffers: dict, slot, values: dict) -> dict:
     out = {}
     for product, ab in buffers.items():
         out[product] = {k: jax.lax.dynamic_update_index_in_dim(
-            buf, values[product][k].astype(buf.dtype), slot, axis=1) for k, buf in ab.items()}
+            buf, values[product][k].astype(buf.dtype), slot, axis=SLOT_AXIS[k]) for k, buf in ab.items()}
     return out
 
 
@@ -298,29 +303,33 @@ def _expand(u, b, segments, rank, spec):
 
 
 def lora_delta(x, a, b, slots, layer, segments, *, method: str):
-    """B_slot A_slot x for every token: x [t, in], a [L, s, n, in], b [L, s, out, R], slots int32[t]
+    """B_slot A_slot x for every token: x [t, in], a [L, s, n, in], b [L, out, s, R], slots int32[t]
     (0: the zero adapter), layer an int or a traced index -> float32 [t, out]."""
     rank = b.shape[-1]
     x = x.astype(a.dtype)
     if method == "gather":
-        a_t, b_t = a[layer, slots], b[layer, slots]  # [t, n, in], [t, out, R]
+        a_t, b_t = a[layer, slots], b[layer, :, slots]  # [t, n, in], [t, out, R]
         u = jnp.einsum("ti,tni->tn", x, a_t, preferred_element_type=jnp.float32).astype(a.dtype)
         return _expand(u, b_t, segments, rank, "tr,tor->to")
     a_l = jax.lax.dynamic_index_in_dim(a, layer, keepdims=False)  # [s, n, in]
-    b_l = jax.lax.dynamic_index_in_dim(b, layer, keepdims=False)  # [s, out, R]
-    num_slots = a_l.shape[0]
-    if method == "masked":
-        u = jnp.einsum("ti,sni->tsn", x, a_l, preferred_element_type=jnp.float32)
+    b_l = jax.lax.dynamic_index_in_dim(b, layer, keepdims=False)  # [out, s, R]
+    num_slots, n = a_l.shape[0], a_l.shape[1]
+    t = x.shape[0]
+    if method == "masked":  # two plain 2-D products per segment: [t, in] x [s*n, in], [t, s*R] x [out, s*R]
+        u = jnp.einsum("ti,ki->tk", x, a_l.reshape(num_slots * n, -1), preferred_element_type=jnp.float32)
         mine = slots[:, None] == jnp.arange(num_slots, dtype=slots.dtype)[None, :]
-        u = jnp.where(mine[:, :, None], u, 0.0).astype(a.dtype)  # [t, s, n]
-        return _expand(u, b_l, segments, rank, "tsr,sor->to")
+        u = jnp.where(mine[:, :, None], u.reshape(t, num_slots, n), 0.0).astype(a.dtype)  # [t, s, n]
+        parts = [jnp.einsum("tk,ok->to", u[:, :, j * rank : (j + 1) * rank].reshape(t, -1),
+                            b_l[start:end].reshape(end - start, -1), preferred_element_type=jnp.float32)
+                 for j, (start, end) in enumerate(segments)]
+        return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
     if method == "ragged":
         from models.moe import grouped_product
 
         order = jnp.argsort(slots, stable=True)
         sizes = jnp.bincount(slots, length=num_slots).astype(jnp.int32)
         u = grouped_product(x[order], a_l, sizes).astype(a.dtype)  # [t, n]
-        parts = [grouped_product(u[:, j * rank : (j + 1) * rank], b_l[:, start:end, :], sizes)
+        parts = [grouped_product(u[:, j * rank : (j + 1) * rank], jnp.moveaxis(b_l[start:end], 1, 0), sizes)
                  for j, (start, end) in enumerate(segments)]
         y = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
         return jnp.zeros_like(y).at[order].set(y)

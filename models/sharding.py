@@ -80,7 +80,7 @@ KV_CACHE_SPEC = P(None, None, None, MODEL_AXIS, None)  # [L, num_blocks, block_s
 # column-parallel q/k/v and gate/up: B by its output rows (per-shard fused order, as qkv_proj and
 # gate_up_proj), A replicated; row-parallel o/down: A by its input columns, B replicated, so each
 # device's partial delta joins the base product's partial sum in the same all-reduce.
-LORA_SPLITS = {"qkv_proj": ("b", 2), "gate_up_proj": ("b", 2), "o_proj": ("a", 3), "down_proj": ("a", 3)}
+LORA_SPLITS = {"qkv_proj": ("b", 1), "gate_up_proj": ("b", 1), "o_proj": ("a", 3), "down_proj": ("a", 3)}
 
 
 def lora_partition_specs(buffers: dict, axis: str) -> dict:

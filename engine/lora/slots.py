@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from models.config import ModelConfig
-from models.lora import allocate_lora_buffers, lora_buffer_shapes, write_slot
+from models.lora import SLOT_AXIS, allocate_lora_buffers, lora_buffer_shapes, write_slot
 from models.sharding import shard_lora_values
 from scheduler import SchedulerOutput
 
@@ -53,7 +53,8 @@ class LoRASlots:
         self.num_evictions = 0
         # Compile the slot write now (writing zeros into slot 0), so loading an adapter later
         # never compiles.
-        zeros = {p: {k: np.zeros(shape[:1] + shape[2:], np.float32) for k, shape in ab.items()}
+        zeros = {p: {k: np.zeros(shape[:SLOT_AXIS[k]] + shape[SLOT_AXIS[k] + 1:], np.float32)
+                     for k, shape in ab.items()}
                  for p, ab in lora_buffer_shapes(shape_config, max_loras + 1, max_lora_rank).items()}
         self.buffers = self._write(self.buffers, np.int32(0), zeros)
 

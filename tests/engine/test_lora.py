@@ -173,8 +173,8 @@ def test_engine_refuses_adapters_by_name(setup, engine2):
 
     with pytest.raises(ParamError, match="lora_int_id 1 is already 'adapter0'"):
         engine2.add_request("x", [1, 2], GREEDY, lora_request=LoRARequest("other", 1, setup["paths"][3]))
-    with pytest.raises(ValueError, match="tensor_parallel_size does not run with LoRA"):
-        EngineConfig(**{**KNOBS, "tensor_parallel_size": 2})
+    with pytest.raises(ValueError, match="data_parallel_size does not run with LoRA"):
+        EngineConfig(**{**KNOBS, "data_parallel_size": 2})
     with pytest.raises(ValueError, match="lora_modules needs enable_lora=True"):
         EngineConfig(lora_modules=("a=/nowhere",))
     with pytest.raises(ValueError, match="max_cpu_loras"):

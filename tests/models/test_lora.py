@@ -133,15 +133,15 @@ def test_the_three_product_forms_equal_a_per_token_reference():
     layers, slots, n_seg, rank, e = 2, 4, 3, 4, 16
     segments = ((0, 8), (8, 12), (12, 16))
     a = rng.normal(size=(layers, slots, n_seg * rank, e)).astype(np.float32)
-    b = rng.normal(size=(layers, slots, 16, rank)).astype(np.float32)
-    a[:, 0], b[:, 0] = 0, 0
+    b = rng.normal(size=(layers, 16, slots, rank)).astype(np.float32)  # [L, out, s, R]
+    a[:, 0], b[:, :, 0] = 0, 0
     x = rng.normal(size=(7, e)).astype(np.float32)
     token_slots = np.array([2, 0, 3, 2, 1, 0, 3], np.int32)
     expected = np.zeros((7, 16), np.float32)
     for t, s in enumerate(token_slots):
         u = a[1, s] @ x[t]
         for j, (start, end) in enumerate(segments):
-            expected[t, start:end] = b[1, s, start:end] @ u[j * rank : (j + 1) * rank]
+            expected[t, start:end] = b[1, start:end, s] @ u[j * rank : (j + 1) * rank]
     for method in LORA_METHODS:
         got = jax.jit(lambda x, a, b, s, layer, m=method: lora_delta(x, a, b, s, layer, segments, method=m))(
             x, a, b, token_slots, jnp.int32(1))
