@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PROMPT ?= Explain in two sentences why a GPU serving one user is mostly idle.
 
-.PHONY: setup test lint demo serve bench clean notebook-test draft-head serve-draft-head aot-setup aot-test
+.PHONY: setup test test-extended lint demo serve bench clean notebook-test draft-head serve-draft-head aot-setup aot-test
 # Python writes the bytecode of what it imports on first use (setup installs with --no-compile):
 # with PYTHONDONTWRITEBYTECODE set (some CI images and sandboxes set it) every process would
 # compile jax from source again, 6.0 s instead of 2.8 s to import jax and the engine here.
@@ -35,6 +35,13 @@ TEST_WORKERS ?= auto
 PYTEST_ARGS ?=
 test: setup
 	JAX_PLATFORMS=cpu $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadscope --durations=40 $(PYTEST_ARGS)
+
+# The extended end-to-end tests (marker `extended`): the experiments' entry points, a trained
+# draft head served, TP on the default model, the server's signal and hostile-input runs, the
+# executable round trip in two processes... CI runs them after make test (.ci/run), so make
+# test stays under its 7 minutes on a 2-core machine.
+test-extended: setup
+	JAX_PLATFORMS=cpu $(PY) -m pytest tests -m extended -n $(TEST_WORKERS) --dist loadscope --durations=20 $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -93,6 +93,9 @@ class _EngineCollector:
         yield from _device_families(stats)
         yield GaugeMetricFamily(PREFIX + "num_requests_waiting", "Requests waiting to be scheduled (including "
                                 "those not yet handed to the engine).", value=stats.num_waiting + num_pending)
+        yield GaugeMetricFamily(PREFIX + "engine_degraded", "1 while the engine serves in a degraded mode (under "
+                                "disaggregation: the decode pool is lost and the prefill pool decodes itself); "
+                                "/health gives the reason.", value=float(bool(getattr(stats, "degraded_reason", None))))
         queries = stats.prefix_cache_queries
         yield GaugeMetricFamily(PREFIX + "prefix_cache_hit_rate", "Prefix cache hits / queries, in tokens, since start.",
                                 value=stats.prefix_cache_hits / queries if queries else 0.0)

@@ -78,12 +78,13 @@ def report(build: Build, model: ModelConfig, config: EngineConfig) -> dict:
         "hbm_bytes": build.hbm_bytes, "usable_bytes": build.usable_bytes, "fits": build.fits,
         "per_device_bytes": {"weights": build.weights_bytes, "kv_cache": build.kv_cache_bytes,
                              "request_table": build.table_bytes, "temp": build.temp_bytes,
-                             "total": build.total_bytes},
+                             "draft": build.draft_bytes, "total": build.total_bytes},
         "max_kv_blocks": build.max_kv_blocks,
         "max_kv_tokens": max(0, build.max_kv_blocks - 1) * build.block_size,
         "buckets": buckets,
         "capacity_prediction": predicted,
         "kv_transfer_programs": build.transfers,
+        "draft": build.draft,
     }
 
 
@@ -98,22 +99,29 @@ def format_report(r: dict) -> str:
         f"  total {d['total'] / GIB:.2f} GiB of {r['usable_bytes'] / GIB:.2f} GiB usable "
         f"({r['hbm_bytes'] / GIB:.2f} GiB HBM): {'FITS' if r['fits'] else 'DOES NOT FIT'}",
         f"  largest KV cache beside the rest: {r['max_kv_tokens']} tokens",
-        "  bucket      T     S  compile s   temp MiB   GFLOP/step  roofline ms   decode tok/s  "
+        "  bucket      T     S     L  compile s   temp MiB   GFLOP/step  roofline ms   decode tok/s  "
         "capacity tok/s  collectives/layer",
         f"  (capacity tok/s: experiments.capacity's decode rate at context {r['max_model_len'] // 2})",
     ]
     for b in r["buckets"]:
         if b["error"]:
-            lines.append(f"        {b['padded_tokens']:6d} {b['padded_seqs']:5d} {b['compile_s']:10.2f} "
-                         f"{'-':>10}  refused: {b['error']}")
+            lines.append(f"        {b['padded_tokens']:6d} {b['padded_seqs']:5d} {b['padded_logits']:5d} "
+                         f"{b['compile_s']:10.2f} {'-':>10}  refused: {b['error']}")
             continue
         coll = ", ".join(f"{k} {v:g}" for k, v in b["collectives_per_layer"].items() if v) or "-"
         gflop = f"{b['flops'] / 1e9:11.1f}" if b["flops"] is not None else f"{'-':>11}"
         roof = f"{b['roofline_step_s'] * 1e3:11.3f}" if b["roofline_step_s"] else f"{'-':>11}"
         tok = f"{b['decode_tok_s']:13.0f}" if b["decode_tok_s"] else f"{'-':>13}"
         cap_tok = f"{b['capacity_decode_tok_s']:14.0f}" if b.get("capacity_decode_tok_s") else f"{'-':>14}"
-        lines.append(f"        {b['padded_tokens']:6d} {b['padded_seqs']:5d} {b['compile_s']:10.2f} "
-                     f"{b['temp_bytes'] / 2**20:10.1f} {gflop}  {roof}  {tok}  {cap_tok}  {coll}")
+        lines.append(f"        {b['padded_tokens']:6d} {b['padded_seqs']:5d} {b['padded_logits']:5d} "
+                     f"{b['compile_s']:10.2f} {b['temp_bytes'] / 2**20:10.1f} {gflop}  {roof}  {tok}  {cap_tok}  {coll}")
+    if r["draft"]:
+        dr = r["draft"]
+        lines.append(f"  draft ({dr['method']}, {dr['model']}): weights {dr['weights_bytes'] / GIB:.3f} GiB, "
+                     f"KV cache {dr['kv_cache_bytes'] / GIB:.3f} GiB; programs (T/S: compile s): " + ", ".join(
+                         f"{p.get('padded_tokens', '-')}/{p['padded_seqs']}: "
+                         + (f"refused ({p['error']})" if p["error"] else f"{p['compile_s']:.2f}")
+                         for p in dr["programs"]))
     if r["kv_transfer_programs"]:
         lines.append("  disaggregation's KV programs (blocks: compile s): " + ", ".join(
             f"{t['program']} {t['blocks']}: {t['compile_s']:.2f}" for t in r["kv_transfer_programs"]))
@@ -132,6 +140,9 @@ def define_flags() -> None:
                         "enough), a GGUF or a jaxserve checkpoint.")
     flags.DEFINE_integer("tensor_parallel_size", 1, "Devices one model is split over.")
     flags.DEFINE_integer("data_parallel_size", 1, "Replicas (each compiles the same programs).")
+    flags.DEFINE_integer("expert_parallel_size", 1, "Expert-parallel groups on the model axis (MoE).")
+    flags.DEFINE_bool("prompt_scoring_bucket", _DEFAULTS["prompt_scoring_bucket"],
+                      "Also compile the largest token bucket with a logit row per token (prompt scoring).")
     flags.DEFINE_string("dtype", None, "Weights and KV dtype; default: the platform's.")
     flags.DEFINE_integer("max_num_seqs", _DEFAULTS["max_num_seqs"], "Most requests per step.")
     flags.DEFINE_integer("max_num_batched_tokens", _DEFAULTS["max_num_batched_tokens"], "Token budget per step.")
@@ -143,7 +154,8 @@ def define_flags() -> None:
     flags.DEFINE_list("token_buckets", None, "Padded token counts; default: derived.")
     flags.DEFINE_list("seq_buckets", None, "Padded request counts; default: derived.")
     flags.DEFINE_string("attention_backend", "auto", "auto (the target's Pallas kernel), xla, pallas.")
-    flags.DEFINE_string("speculative_config", None, "JSON, as the server takes it (ngram).")
+    flags.DEFINE_string("speculative_config", None, "JSON, as the server takes it (ngram, draft_model "
+                        "with the draft's model spec, draft_head with the head's folder).")
     flags.DEFINE_string("disaggregation", None, "As the server takes it, e.g. prefill:2,decode:2: "
                         "also compiles the KV gather and scatter between the pools.")
     flags.DEFINE_bool("enable_lora", False, "Compile with LoRA adapter slots (engine/lora/).")
@@ -151,6 +163,9 @@ def define_flags() -> None:
     flags.DEFINE_integer("max_lora_rank", 16, "With --enable_lora: the slots' rank.")
     flags.DEFINE_string("lora_product", None, "With --enable_lora: gather, ragged or masked (models/lora.py); "
                         "default: the target platform's.")
+    flags.DEFINE_bool("roofline", True, "On TPU, also compile each bucket unrolled at one and two layer "
+                      "periods: FLOPs and bytes of every layer (XLA's cost analysis counts a scan's body "
+                      "once); about doubles the compile time.")
     flags.DEFINE_string("output_json", "", "Write the report here.")
     flags.DEFINE_string("save_executables", "", "Write every compiled step and a manifest here, "
                         "for the server's --load_executables.")
@@ -164,7 +179,8 @@ def engine_config_from_flags(f) -> EngineConfig:
     ints = lambda xs: tuple(int(x) for x in xs) if xs else None  # noqa: E731
     return EngineConfig(
         model=f.model, dtype=f.dtype, tensor_parallel_size=f.tensor_parallel_size,
-        data_parallel_size=f.data_parallel_size, max_num_seqs=f.max_num_seqs,
+        data_parallel_size=f.data_parallel_size, expert_parallel_size=f.expert_parallel_size,
+        prompt_scoring_bucket=f.prompt_scoring_bucket, max_num_seqs=f.max_num_seqs,
         max_num_batched_tokens=f.max_num_batched_tokens, max_model_len=f.max_model_len,
         block_size=f.block_size, num_kv_blocks=f.num_kv_blocks,
         kv_cache_memory_fraction=f.kv_cache_memory_fraction, token_buckets=ints(f.token_buckets),
@@ -173,13 +189,28 @@ def engine_config_from_flags(f) -> EngineConfig:
         max_loras=f.max_loras, max_lora_rank=f.max_lora_rank, lora_product=f.lora_product)
 
 
+def draft_configs(config: EngineConfig):
+    """(the draft model's ModelConfig, the draft head's DraftHeadConfig) the speculative config
+    names, from their configs alone (no weights)."""
+    spec = config.speculative_config
+    if spec is None or spec.method not in ("draft_model", "draft_head"):
+        return None, None
+    if spec.method == "draft_model":
+        return capacity_tool.model_config_for(spec.model), None
+    from engine.spec_decode.draft_head import read_head_config
+
+    return None, read_head_config(spec.model)
+
+
 def main(argv: Sequence[str]) -> None:
     del argv
     f = flags.FLAGS
     try:
         config = engine_config_from_flags(f)
         model = capacity_tool.model_config_for(f.model)
-        build = compile_for_target(config, model, f.target)
+        draft_model, draft_head = draft_configs(config)
+        build = compile_for_target(config, model, f.target, draft_model=draft_model, draft_head=draft_head,
+                                   roofline=f.roofline)
     except ValueError as e:
         sys.exit(f"experiments.aot: {e}")
     r = report(build, model, config)

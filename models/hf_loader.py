@@ -16,6 +16,7 @@ from models.families import FAMILIES
 from models.hf_config import read_hf_config
 from models.weights import layer_from_matrices, to_device
 
+
 def safetensors_files(folder: str) -> dict[str, str]:
     """Tensor name -> shard path, from model.safetensors.index.json or the lone shard(s)."""
     index = os.path.join(folder, "model.safetensors.index.json")

@@ -40,3 +40,5 @@ class EngineStats:
     pool_names: tuple[str, ...] = ()  # disaggregation (engine/disaggregation/pd_engine.py): `replicas` are these pools
     kv_transfer: object = None  # disaggregation: engine/disaggregation/kv_transfer.TransferStats
     num_pending_transfers: int = 0  # disaggregation: moved requests the decode pool has not admitted yet
+    degraded_reason: str | None = None  # why the engine serves in a degraded mode (disaggregation: the
+    # decode pool is lost and the prefill pool decodes every request itself); None: it is not

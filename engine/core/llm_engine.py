@@ -179,7 +179,8 @@ class LLMEngine:
         a constrained request is compiled here (the LRU makes a repeat free). `base_seed`: the
         sampling seed of an unseeded request (default: the engine's counter). `resume`: the prompt
         ran elsewhere (the prefill pool, engine/disaggregation/pd_engine.py): each sequence starts
-        with its first token, and the prompt's KV is expected in the prefix cache. `lora_request`:
+        with its first token, and the prompt's KV is expected in the prefix cache; or with every
+        token a lost decode pool had made, recomputed here (PDEngine's degraded mode). `lora_request`:
         the LoRA adapter to run with (an engine.LoRARequest, the name of a loaded adapter, or a
         LoadedAdapter its manager resolved on another thread); None: the base model."""
         self._check_alive()
@@ -239,7 +240,7 @@ class LLMEngine:
             state.prompt_logprobs = resume.prompt_logprobs
             for seq, first in zip(state.seqs, resume.first, strict=True):
                 if seq.resume_from(first, resume.first_token_time) is None:
-                    self._advance_mask_state(seq, first.token_ids[:1], {})
+                    self._advance_mask_state(seq, list(first.token_ids), {})
         return state
 
     def _resolve_lora(self, lora_request):

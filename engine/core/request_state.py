@@ -19,8 +19,9 @@ from text.detokenizer import IncrementalDetokenizer
 class Resume:
     """A request whose prompt ran in another engine (the prefill pool of
     engine/disaggregation/pd_engine.py): each sequence's output there (its first token, logprobs,
-    and finish if it already ended), in sequence order, when that token came, and the prompt's
-    logprobs if they were asked for."""
+    and finish if it already ended; or, when the decode pool was lost, every token it had made),
+    in sequence order, when the first token came, and the prompt's logprobs if they were asked
+    for."""
 
     first: list[CompletionOutput]
     first_token_time: float
@@ -132,23 +133,28 @@ class SequenceState:
         return False
 
     def resume_from(self, first: CompletionOutput, when: float) -> str | None:
-        """Starts this sequence with the first token another engine sampled for it (Resume):
-        the same detokenizer, stop-string and logprob state as if it had been sampled here.
-        Returns the finish reason when the sequence already ended there (it is not scheduled)."""
-        token = first.token_ids[0]
-        self.request.output_token_ids.append(token)
+        """Starts this sequence with the tokens another engine sampled for it (Resume): its first
+        token, or every token it had made when that engine was lost (the prompt and those tokens
+        are recomputed here), with the same detokenizer, stop-string and logprob state as if they
+        had been sampled here. Returns the finish reason when the sequence already ended there
+        (it is not scheduled)."""
+        tokens = list(first.token_ids)
+        self.request.output_token_ids.extend(tokens)
         logprobs = None
         if first.logprobs:
-            entry = first.logprobs[0]
-            top = sorted((t for t in entry if t != token), key=entry.get, reverse=True)
-            if token in entry and len(entry) <= (self.num_logprobs or 0):
-                top = sorted(entry, key=entry.get, reverse=True)  # the token was among the top k
-            logprobs = [TokenLogprobs(entry[token], top, [entry[t] for t in top])]
-        self.append([token], logprobs, when)
+            logprobs = [self._resumed_logprobs(token, entry) for token, entry in zip(tokens, first.logprobs)]
+        self.append(tokens, logprobs, when)
         if first.finish_reason is not None:
             self.finish(first.finish_reason, when)
             self.stop_reason = first.stop_reason
         return self.finish_reason
+
+    def _resumed_logprobs(self, token: int, entry: dict[int, float]) -> TokenLogprobs:
+        """An output's logprobs entry back as the sampler's TokenLogprobs."""
+        top = sorted((t for t in entry if t != token), key=entry.get, reverse=True)
+        if token in entry and len(entry) <= (self.num_logprobs or 0):
+            top = sorted(entry, key=entry.get, reverse=True)  # the token was among the top k
+        return TokenLogprobs(entry[token], top, [entry[t] for t in top])
 
     def finish(self, reason: str, now: float) -> None:
         if self.finish_reason is not None:

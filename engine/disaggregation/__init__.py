@@ -15,6 +15,9 @@ A request's life, in order:
     its scheduler has admitted it.
  5. `PDEngine.step()` keeps one step of each pool in flight and returns whichever finishes first;
     aborts reach the request wherever it is and leave no block held.
+ 6. If the decode pool is lost (its process killed, say), the engine degrades instead of dying:
+    the prefill engine resumes every request in flight from the tokens it has returned and
+    serves new ones itself; `degraded_reason` (and /health, /metrics) say so.
 
 The knobs are engine/disaggregation_config.py (EngineConfig holds one). This wing imports the
 engine loop (engine/core/), the step (meshes, the runner's cache) and engine's top-level

@@ -26,7 +26,10 @@ its running requests keep stepping, then scatters it between two steps. Until ev
 has landed its scheduler admits nothing, since the blocks are in its prefix cache already (an
 admission could read them; running requests never do). The leader sends the bucket of every
 accepted offer, even of a request aborted meanwhile (whose pins stay until it lands). A handover
-that fails there comes back as the request's failed output.
+that fails there comes back as the request's failed output. A decode process that dies (or
+whose connection breaks, or that answers no call for CALL_TIMEOUT_S) raises EngineDeadError from
+the call that finds it and sets `dead_reason`; PDEngine then degrades (pd_engine.py: the prefill
+pool decodes everything itself) and calls `abandon`, which drops what was kept for the pulls.
 """
 
 from __future__ import annotations
@@ -101,6 +104,23 @@ class RemoteDecodePool:
     def _die(self, exc: Exception):
         self.dead_reason = f"the decode pool process at {self.address} is gone: {type(exc).__name__}: {exc}"
         raise EngineDeadError(self.dead_reason) from exc
+
+    def last_stats(self):
+        """The snapshot that came with the last step, without a call (None before the first)."""
+        return self._stats
+
+    def abandon(self) -> None:
+        """The leader stops using this pool (it is lost): the buckets held for its pulls and every
+        record of its requests go, and the connection is closed (a live process then exits)."""
+        self._inflight.clear()
+        self._offers.clear()
+        self._unfinished.clear()
+        self._pinned.clear()
+        try:
+            with self._lock:
+                self._conn.close()
+        except OSError:
+            pass
 
     @property
     def num_pending(self) -> int:

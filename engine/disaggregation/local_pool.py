@@ -85,6 +85,15 @@ class DecodePool:
     def get_stats(self):
         return self.engine.get_stats()
 
+    def last_stats(self):
+        return self.engine.get_stats()
+
+    def abandon(self) -> None:
+        """The leader stops using this pool (its engine died): its requests are aborted, which
+        frees their blocks and pins."""
+        for request_id in set(self._n) | set(self._pinned):
+            self.abort_request(request_id)
+
     def reconfigure_scheduler(self, **changes):
         if self._pinned:
             raise ValueError("reconfigure_scheduler needs an idle engine: KV transfers are pending")

@@ -30,6 +30,17 @@ request wherever it is (prefill queue or step, waiting to move, pinned, decoding
 block held; for a pool whose step is in flight they are queued and applied when it ends, so
 the caller never waits for a long prefill step. A decode-side
 preemption recomputes there (the moved blocks are likely still its prefix cache).
+
+Degraded mode: when the decode pool is lost (its process killed, its connection gone, its
+engine dead or its step raising), `degraded_reason` says why and the prefill engine decodes
+everything itself from then on. Each request in flight resumes there with the tokens it had
+returned so far (`Resume`), its prompt a prefix hit on the blocks the prefill pool still caches
+and the rest (the tokens made in the lost pool, whose KV is gone with it) recomputed; one still
+prefilling continues there once its first token comes. A seeded or greedy request gives the
+tokens it would have given (the rng step is the output index). A request the prefill engine
+cannot take fails with an error naming the lost pool. New requests are served there as by a
+colocated engine; /health says "degraded" with the reason and /metrics' `jaxserve:engine_degraded`
+is 1.
 """
 
 from __future__ import annotations
@@ -38,6 +49,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import itertools
+import logging
 import threading
 import time
 
@@ -61,6 +73,7 @@ _SUMMED = ("num_running", "prefix_cache_queries", "prefix_cache_hits", "num_pree
            "num_constrained_requests", "num_grammars_compiled", "grammar_compile_seconds", "mask_fill_seconds",
            "num_mask_steps")
 POOLS = ("prefill", "decode")
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -71,6 +84,16 @@ class _Pending:
     kwargs: dict
     base_seed: int
     max_tokens: int  # what the request may still generate in all, capped by max_model_len
+
+
+@dataclasses.dataclass
+class _Decoding:
+    """A request handed to the decode pool: what it needs to resume elsewhere if that pool is lost."""
+
+    pending: _Pending
+    latest: RequestOutput  # the newest output returned for it (at first, its first tokens)
+    prompt_logprobs: list | None
+    first_token_time: float
 
 
 class PDEngine:
@@ -124,7 +147,11 @@ class PDEngine:
         self.max_pending = pd.max_pending_transfers
         self._prefilling: dict[str, _Pending] = {}
         self._ready: collections.OrderedDict[str, tuple] = collections.OrderedDict()  # prefilled, queued to move
-        self._decoding: set[str] = set()
+        self._decoding: dict[str, _Decoding] = {}  # handed to the decode pool
+        self._local: dict[str, _Pending] = {}  # degraded mode: decoded by the prefill engine itself
+        self.degraded_reason: str | None = None  # why the decode pool is lost (see the module docstring)
+        self._lost_stats: EngineStats | None = None  # the lost decode pool's last stats, gauges zeroed
+        self._failed: list[RequestOutput] = []  # requests that could not resume here, for the next step
         self._seed = config.seed * 1_000_003
         self._seed_counter = itertools.count()
         self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="pool")
@@ -140,8 +167,9 @@ class PDEngine:
 
     @property
     def dead_reason(self) -> str | None:
-        reasons = [f"{name} pool: {e.dead_reason}" for name, e in zip(POOLS, self.engines) if e.dead_reason]
-        return "; ".join(reasons) or None
+        """Only the prefill pool's death ends the engine; the decode pool's degrades it."""
+        reason = self.prefill.dead_reason
+        return None if reason is None else f"prefill pool: {reason}"
 
     @property
     def engines(self) -> tuple:
@@ -159,12 +187,13 @@ class PDEngine:
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, arrival_time=None,
                     *, add_special_tokens: bool = True, **kwargs) -> None:
-        """Tokenizes and hands the request to the prefill engine (asking for its first token):
-        its scheduler queues it. Every prompt that fits max_model_len fits both pools (each
-        pool's cache holds a max_model_len request: SchedulerConfig's check, named at start-up)."""
+        """Tokenizes and hands the request to the prefill engine (asking for its first token; in
+        degraded mode for all of them): its scheduler queues it. Every prompt that fits
+        max_model_len fits both pools (each pool's cache holds a max_model_len request:
+        SchedulerConfig's check, named at start-up)."""
         if self.dead_reason is not None:
             raise EngineDeadError(f"the engine is dead: {self.dead_reason}")
-        if request_id in self._prefilling or request_id in self._ready or request_id in self._decoding:
+        if any(request_id in d for d in (self._prefilling, self._ready, self._decoding, self._local)):
             raise ParamError("request_id", f"request_id: {request_id!r} is already running")
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -177,20 +206,20 @@ class PDEngine:
                            base_seed, room if params.max_tokens is None else min(params.max_tokens, room))
         # Validated now (bad input raises here); queued into the prefill scheduler when the pool
         # is between steps, so a long prefill step in flight never blocks the caller.
-        state = self.prefill.prepare_request(request_id, ids, dataclasses.replace(params, max_tokens=1),
-                                             pending.arrival, base_seed=base_seed, **kwargs)
+        local = self.degraded_reason is not None
+        state = self.prefill.prepare_request(request_id, ids, params if local else dataclasses.replace(
+            params, max_tokens=1), pending.arrival, base_seed=base_seed, **kwargs)
         self._deferred["prefill"].append(("add", request_id, state))
-        self._prefilling[request_id] = pending
+        (self._local if local else self._prefilling)[request_id] = pending
 
     def abort_request(self, request_id: str) -> bool:
         """Wherever the request is. In a pool that is stepping, the abort happens as soon as
         the step ends; its outputs are dropped from now on."""
         if self._ready.pop(request_id, None) is not None:
             return True  # its blocks stay in the prefill pool's cache
-        if self._prefilling.pop(request_id, None) is not None:
+        if self._prefilling.pop(request_id, None) is not None or self._local.pop(request_id, None) is not None:
             self._deferred["prefill"].append(("abort", request_id, None))
-        elif request_id in self._decoding:
-            self._decoding.discard(request_id)
+        elif self._decoding.pop(request_id, None) is not None:
             self._deferred["decode"].append(("abort", request_id, None))
         else:
             return False
@@ -205,21 +234,30 @@ class PDEngine:
                 continue
             with self._locks[name]:
                 queued, self._deferred[name] = self._deferred[name], []
+                if name == "decode" and self.degraded_reason is not None:
+                    continue  # the pool is lost: nothing more goes to it
                 for op, request_id, state in queued:
-                    if op == "abort":
-                        pool.abort_request(request_id)
-                        continue
                     try:
-                        pool.submit(state)
+                        if op == "abort":
+                            pool.abort_request(request_id)
+                        else:
+                            pool.submit(state)
+                    except EngineDeadError as exc:
+                        if name == "prefill":
+                            raise
+                        self._degrade(exc)  # the decode pool is lost
+                        break
                     except Exception as exc:  # this request fails; the pools serve on
-                        if self._prefilling.pop(request_id, None) is not None:
+                        if self._prefilling.pop(request_id, None) is not None or self._local.pop(
+                                request_id, None) is not None:
                             failed.append(failed_output(state.output(), exc, "the prefill pool refused it"))
         return failed
 
     def has_unfinished_requests(self) -> bool:
         """Also True while a pool's step is in flight: its outputs are still to come."""
-        return bool(self._prefilling or self._ready or self._decoding or any(self._deferred.values())) or any(
-            f is not None for f in self._running.values()) or self.decode.has_unfinished_requests()
+        return bool(self._prefilling or self._ready or self._decoding or self._local or any(
+            self._deferred.values())) or any(f is not None for f in self._running.values()) or (
+            self.degraded_reason is None and self.decode.has_unfinished_requests())
 
     # -- the step -----------------------------------------------------------------------------
 
@@ -230,9 +268,12 @@ class PDEngine:
         way round. Handovers: a finished prefill's blocks are gathered at once (the prefill pool
         is idle then); they land in the decode pool when it is idle. Backpressure: at
         max_pending_transfers requests gathered or moved and not yet admitted by the decode
-        scheduler, the prefill pool pauses (its requests wait in its queue)."""
+        scheduler, the prefill pool pauses (its requests wait in its queue). A lost decode pool
+        degrades the engine (the module docstring) instead of failing the step."""
         if self.dead_reason is not None:
             raise EngineDeadError(f"the engine is dead: {self.dead_reason}")
+        if self.degraded_reason is None and self._running["decode"] is None and self.decode.dead_reason:
+            self._degrade(EngineDeadError(self.decode.dead_reason))
         outputs = self._land_handovers()
         outputs += self._launch()
         running = [f for f in self._running.values() if f is not None]
@@ -241,12 +282,17 @@ class PDEngine:
         outputs += self._collect()
         outputs += self._land_handovers()
         outputs += self._launch()
+        outputs += self._failed
+        self._failed = []
         return outputs
 
     def _launch(self) -> list[RequestOutput]:
         failed = self._apply_deferred()
-        paused = len(self._ready) + self.decode.num_pending >= self.max_pending
+        degraded = self.degraded_reason is not None
+        paused = not degraded and len(self._ready) + self.decode.num_pending >= self.max_pending
         for name, pool in zip(POOLS, self.engines):
+            if name == "decode" and degraded:
+                continue
             if self._running[name] is None and pool.has_unfinished_requests() and not (name == "prefill" and paused):
                 self._running[name] = self._pool.submit(self._locked_step, name)
         return failed
@@ -262,19 +308,32 @@ class PDEngine:
             if future is None or not future.done():
                 continue
             self._running[name] = None
-            results = future.result()  # a pool's step failing here is the engine's error
             if name == "prefill":
+                results = future.result()  # a prefill step failing here is the engine's error
                 outputs += filter(None, (self._after_prefill(out) for out in results))
                 continue
+            try:
+                results = future.result()
+            except Exception as exc:  # the decode pool is lost (a request's failure is an output)
+                self._degrade(exc)
+                continue
             for out in results:
-                if out.request_id not in self._decoding:
+                decoding = self._decoding.get(out.request_id)
+                if decoding is None:
                     continue  # aborted while its last step ran
+                decoding.latest = out
                 if out.finished:
-                    self._decoding.discard(out.request_id)
+                    del self._decoding[out.request_id]
                 outputs.append(out)
+            if self.decode.dead_reason is not None:  # its engine died in that step
+                self._degrade(EngineDeadError(self.decode.dead_reason))
         return outputs
 
     def _after_prefill(self, out: RequestOutput) -> RequestOutput | None:
+        if out.request_id in self._local:
+            if out.finished:
+                del self._local[out.request_id]
+            return out
         pending = self._prefilling.get(out.request_id)
         if pending is None:
             return None  # aborted while its last prefill step ran
@@ -287,6 +346,9 @@ class PDEngine:
         del self._prefilling[out.request_id]
         if shown.finished:
             return out  # every sample ended at its first token (a stop, EOS, or max_tokens 1)
+        if self.degraded_reason is not None:
+            first_time = out.metrics.first_token_time or time.monotonic()
+            return self._resume_here(out.request_id, pending, shown, out.prompt_logprobs, first_time) or shown
         try:
             self._ready[out.request_id] = (pending, out, firsts, *self._gather(pending.prompt_ids))
         except Exception as exc:  # this request fails; the pools serve on
@@ -317,27 +379,65 @@ class PDEngine:
     def _land_handovers(self) -> list[RequestOutput]:
         """Moves gathered requests into the decode pool while it is idle; failed outputs."""
         failed = []
-        while self._ready and self._running["decode"] is None and self.decode.num_pending < self.max_pending:
+        while (self._ready and self.degraded_reason is None and self._running["decode"] is None
+               and self.decode.num_pending < self.max_pending):
             request_id, (pending, out, firsts, hashes, k, v) = self._ready.popitem(last=False)
             try:
                 self._land(request_id, pending, out, firsts, hashes, k, v)
-            except EngineDeadError:
-                raise
+            except EngineDeadError as exc:  # the decode pool is lost: this request resumes here too
+                self._degrade(exc)
             except Exception as exc:  # this request fails; the pools serve on
-                if request_id in self._decoding:
-                    self._decoding.discard(request_id)
+                if self._decoding.pop(request_id, None) is not None:
                     self.decode.abort_request(request_id)
                 failed.append(failed_output(out, exc))
         return failed
 
     def _land(self, request_id: str, pending: _Pending, out: RequestOutput, firsts, hashes, k, v) -> None:
         first_time = out.metrics.first_token_time or time.monotonic()
-        self._decoding.add(request_id)
+        self._decoding[request_id] = _Decoding(pending, dataclasses.replace(out, outputs=firsts, finished=False),
+                                               out.prompt_logprobs, first_time)
         landed = self.decode.hand_over(request_id, hashes, k, v, pending.prompt_ids, pending.params, pending.arrival,
                                        base_seed=pending.base_seed,
                                        resume=Resume(firsts, first_time, out.prompt_logprobs), **pending.kwargs)
         if landed is False:
             self.clock.fallback()  # the decode pool is full: it recomputes the prompt
+
+    # -- degraded mode (the module docstring) ---------------------------------------------------
+
+    def _degrade(self, exc: Exception) -> None:
+        """The decode pool is lost: every request that was moving or decoding resumes in the
+        prefill engine with the tokens it has returned; from now on that engine does all."""
+        if self.degraded_reason is not None:
+            return
+        self.degraded_reason = f"the decode pool is lost ({type(exc).__name__}: {exc}); the prefill pool decodes itself"
+        logger.error("disaggregation degraded: %s", self.degraded_reason)
+        last = self.decode.last_stats()
+        self._lost_stats = dataclasses.replace(last, num_running=0, num_waiting=0, kv_cache_usage=0.0,
+                                               num_free_blocks=0, num_cached_blocks=0) if last is not None else None
+        self.decode.abandon()
+        self._deferred["decode"] = []
+        moving = [(rid, d.pending, d.latest, d.prompt_logprobs, d.first_token_time) for rid, d in self._decoding.items()]
+        moving += [(rid, pending, dataclasses.replace(out, outputs=firsts, finished=False), out.prompt_logprobs,
+                    out.metrics.first_token_time or time.monotonic())
+                   for rid, (pending, out, firsts, *_) in self._ready.items()]
+        self._decoding.clear()
+        self._ready.clear()
+        self._failed += [f for f in (self._resume_here(*m) for m in moving) if f is not None]
+
+    def _resume_here(self, request_id: str, pending: _Pending, latest: RequestOutput, prompt_logprobs,
+                     first_time: float) -> RequestOutput | None:
+        """Queues the request in the prefill engine from its latest output; its failed output if
+        that engine refuses it."""
+        try:
+            state = self.prefill.prepare_request(
+                request_id, pending.prompt_ids, pending.params, pending.arrival, base_seed=pending.base_seed,
+                resume=Resume(list(latest.outputs), first_time, prompt_logprobs),
+                **pending.kwargs)
+        except Exception as exc:  # noqa: BLE001 - this request fails, saying why
+            return failed_output(latest, exc, f"{self.degraded_reason}, and it could not resume here")
+        self._deferred["prefill"].append(("add", request_id, state))
+        self._local[request_id] = pending
+        return None
 
     def wait_idle(self) -> None:
         """Waits for the pools' steps in flight (their outputs come with the next step())."""
@@ -351,15 +451,19 @@ class PDEngine:
         self._apply_deferred()
         if self._ready:
             raise ValueError("reconfigure_scheduler needs an idle engine: KV transfers are pending")
-        schedulers = [e.reconfigure_scheduler(**changes) for e in self.engines]
+        engines = self.engines if self.degraded_reason is None else (self.prefill,)
+        schedulers = [e.reconfigure_scheduler(**changes) for e in engines]
         self.config = dataclasses.replace(self.config, **changes)
         return schedulers
 
     def pool_of(self, request_id: str) -> str | None:
         """Where a request is now: "prefill" (queued or running there), "transfer" (prefilled and
-        waiting to move, or moved and not yet admitted), "decode"."""
+        waiting to move, or moved and not yet admitted), "decode", or "local" (degraded mode:
+        the prefill engine decodes it)."""
         if request_id in self._prefilling:
             return "prefill"
+        if request_id in self._local:
+            return "local"
         if request_id in self._ready:
             return "transfer"
         if request_id not in self._decoding:
@@ -367,7 +471,16 @@ class PDEngine:
         return "transfer" if self.decode.is_pinned(request_id) else "decode"
 
     def get_stats(self) -> EngineStats:
-        per = [e.get_stats() for e in self.engines]
+        decode = self._lost_stats
+        if self.degraded_reason is None:
+            try:
+                decode = self.decode.get_stats()
+            except EngineDeadError as exc:  # (a call only before its first step)
+                self._degrade(exc)
+                decode = self._lost_stats
+        per = [self.prefill.get_stats()]
+        per.append(decode if decode is not None else dataclasses.replace(
+            per[0], **dict.fromkeys(_SUMMED, 0), num_waiting=0, kv_cache_usage=0.0, padded_token_fraction=0.0))
         total = {name: sum(getattr(s, name) for s in per) for name in _SUMMED}
         return dataclasses.replace(
             per[0], **total, num_prompt_tokens=per[0].num_prompt_tokens,
@@ -377,7 +490,8 @@ class PDEngine:
             weight_bytes_per_device=tuple(b for s in per for b in s.weight_bytes_per_device),
             kv_cache_bytes_per_device=tuple(b for s in per for b in s.kv_cache_bytes_per_device),
             spec_decode=None, replicas=tuple(per), pool_names=POOLS, kv_transfer=self._transfer_stats(),
-            num_pending_transfers=self.decode.num_pending)
+            num_pending_transfers=0 if self.degraded_reason else self.decode.num_pending,
+            degraded_reason=self.degraded_reason)
 
     def _transfer_stats(self):
         stats = self.clock.snapshot()

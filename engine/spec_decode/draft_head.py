@@ -211,16 +211,9 @@ def load_head(folder: str | os.PathLike) -> tuple[DraftHeadConfig, dict, np.ndar
     import orbax.checkpoint as ocp
 
     folder = os.path.abspath(os.path.expanduser(os.fspath(folder)))
-    marker = os.path.join(folder, MARKER)
-    try:
-        with open(marker) as f:
-            meta = json.load(f)
-        cfg = DraftHeadConfig(**meta["config"])
-    except FileNotFoundError:
-        raise ValueError(f"speculative_config.model={folder!r}: not a draft head folder (no {MARKER}; "
-                         "train one with python -m experiments.train_draft)") from None
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"speculative_config.model={folder!r}: bad {MARKER} ({e})") from None
+    cfg = read_head_config(folder)
+    with open(os.path.join(folder, MARKER)) as f:
+        meta = json.load(f)
     try:
         tree = ocp.StandardCheckpointer().restore(os.path.join(folder, "params"))
     except Exception as e:
@@ -242,6 +235,33 @@ def _propose(params, shared, hidden, rows, tokens, *, cfg: DraftHeadConfig, k: i
     logits, drafts, _ = draft_chain(params, shared, cfg, hidden[rows], tokens[:, None], k)
     top = jnp.max(jax.nn.softmax(logits, axis=-1), axis=-1)
     return drafts, jnp.cumprod(top, axis=1)
+
+
+def _propose_fn(cfg: DraftHeadConfig, k: int):
+    return jax.jit(lambda p, s, hid, r, t: _propose(p, s, hid, r, t, cfg=cfg, k=k))
+
+
+def draft_head_program(cfg: DraftHeadConfig, target_params: dict, k: int):
+    """(the proposer's jitted chain, the head's weights, the target's arrays it reads) with the
+    weights as ShapeDtypeStructs: compiling the head without its weights (experiments.aot).
+    `target_params` may be abstract too."""
+    head = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    vocab = jax.ShapeDtypeStruct((cfg.draft_vocab_size,), jnp.int32)
+    shared = jax.eval_shape(shared_from_target, target_params, vocab)
+    return _propose_fn(cfg, k), head, shared
+
+
+def read_head_config(folder: str | os.PathLike) -> DraftHeadConfig:
+    """The head's config alone (its draft_head.json), without restoring its weights."""
+    folder = os.path.abspath(os.path.expanduser(os.fspath(folder)))
+    try:
+        with open(os.path.join(folder, MARKER)) as f:
+            return DraftHeadConfig(**json.load(f)["config"])
+    except FileNotFoundError:
+        raise ValueError(f"speculative_config.model={folder!r}: not a draft head folder (no {MARKER}; "
+                         "train one with python -m experiments.train_draft)") from None
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"speculative_config.model={folder!r}: bad {MARKER} ({e})") from None
 
 
 class DraftHeadProposer:
@@ -267,7 +287,7 @@ class DraftHeadProposer:
         self.params = params
         self.shared = shared_from_target(runner.params, vocab_map)
         self.seq_buckets = tuple(runner.shapes.seq_buckets)
-        self._fn = jax.jit(lambda p, s, hid, r, t: _propose(p, s, hid, r, t, cfg=cfg, k=self.k))
+        self._fn = _propose_fn(cfg, self.k)
         self._hidden_shape = jax.ShapeDtypeStruct(
             (runner.shapes.max_logits, cfg.hidden_size),
             jnp.float32)

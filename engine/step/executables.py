@@ -9,9 +9,9 @@ own configuration (`manifest`) and loads the programs only if every field agrees
 that differs is a ValueError naming it and both values, so a stale or foreign folder is refused
 instead of running a program built for other shapes.
 
-The manifest lists the plain buckets (`RunnerShapes.buckets`); the scoring bucket (buckets.py,
-`prompt_scoring`) is not saved by experiments.aot, so an engine that loads a folder compiles that
-one program itself at start-up.
+The manifest lists every bucket the runner compiles (`RunnerShapes.all_buckets`: the plain
+buckets and the scoring bucket when `prompt_scoring`). A speculative draft's own programs (a draft
+model's runner, a draft head's chain) are not saved: an engine that loads a folder compiles them.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def manifest(*, platform: str, device_kind: str, model: ModelConfig, dtype: str,
         "model": {k: v for k, v in dataclasses.asdict(model).items() if k != "name"},
         "knobs": {"dtype": dtype, "attention_backend": attention_backend, "layer_loop": layer_loop,
                   "tensor_parallel_size": tensor_parallel_size, **dataclasses.asdict(shapes)},
-        "buckets": [dataclasses.astuple(b) for b in shapes.buckets()],
+        "buckets": [dataclasses.astuple(b) for b in shapes.all_buckets()],
     })
 
 

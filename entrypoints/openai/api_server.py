@@ -193,6 +193,13 @@ class OpenAIServer:
             return web.json_response({"status": "draining", "reason": "the server is shutting down"}, status=503)
         if not self.async_engine.is_alive:
             return web.json_response({"status": "unavailable", "reason": "the engine is not running"}, status=503)
+        # Degraded (a disaggregated engine whose decode pool is lost decodes in its prefill pool):
+        # it still serves, so 200, as probes and load balancers count only 2xx as up (a 503 would
+        # take a working server out of rotation or restart it); the body and the
+        # jaxserve:engine_degraded gauge say so, for alerts.
+        degraded = getattr(self.async_engine.stats(), "degraded_reason", None)
+        if degraded is not None:
+            return web.json_response({"status": "degraded", "reason": degraded})
         return web.json_response({"status": "ok"})
 
     async def _metrics(self, request: web.Request) -> web.Response:

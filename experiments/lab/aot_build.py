@@ -87,25 +87,39 @@ class Build:
     shapes: RunnerShapes = None
     manifest: dict = None  # engine/step/executables.py: what a loading server must match
     transfers: list = dataclasses.field(default_factory=list)  # disaggregation's KV programs
+    # speculative decoding's draft (draft_model: its runner; draft_head: its chain), when there is
+    # one: method, weights_bytes, kv_cache_bytes, table_bytes, programs (each with compile_s, temp_bytes)
+    draft: dict | None = None
 
     @property
     def temp_bytes(self) -> int:
-        return max((b.temp_bytes for b in self.buckets), default=0)
+        own = max((b.temp_bytes for b in self.buckets), default=0)
+        return max([own, *(p["temp_bytes"] for p in self.draft["programs"])] if self.draft else [own])
+
+    @property
+    def draft_bytes(self) -> int:
+        d = self.draft
+        return d["weights_bytes"] + d["kv_cache_bytes"] + d["table_bytes"] if d else 0
 
     @property
     def total_bytes(self) -> int:
-        return self.weights_bytes + self.kv_cache_bytes + self.table_bytes + self.temp_bytes
+        return self.weights_bytes + self.kv_cache_bytes + self.table_bytes + self.temp_bytes + self.draft_bytes
 
     @property
     def fits(self) -> bool:
-        refused = any(b.error for b in self.buckets)
+        refused = any(b.error for b in self.buckets) or any(
+            p["error"] for p in (self.draft["programs"] if self.draft else []))
         return not refused and self.num_blocks >= 2 and self.total_bytes <= self.usable_bytes
 
     @property
     def max_kv_blocks(self) -> int:
-        """The largest cache (blocks, with the null block) that fits beside the rest."""
-        free = self.usable_bytes - self.weights_bytes - self.table_bytes - self.temp_bytes
-        return max(0, free // self.kv_bytes_per_block)
+        """The largest cache (blocks, with the null block) that fits beside the rest (a draft
+        model's cache has as many blocks as the target's)."""
+        d = self.draft
+        draft_fixed = d["weights_bytes"] + d["table_bytes"] if d else 0
+        draft_per_block = d["kv_cache_bytes"] // self.num_blocks if d else 0
+        free = self.usable_bytes - self.weights_bytes - self.table_bytes - self.temp_bytes - draft_fixed
+        return max(0, free // (self.kv_bytes_per_block + draft_per_block))
 
 
 def _nbytes(leaf) -> int:
@@ -162,37 +176,36 @@ def target_figures(target_name: str) -> tuple[str, int, int, float, float]:
 
 
 def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: str, *,
+                       draft_model: ModelConfig | None = None, draft_head=None, roofline: bool = True,
                        progress=print) -> Build:
-    """Every bucket's step compiled for `target_name` (see the module docstring)."""
+    """Every bucket's step compiled for `target_name` (see the module docstring). With
+    speculative_config's draft_model (its ModelConfig as `draft_model`) or draft_head (its
+    DraftHeadConfig as `draft_head`), the draft's own programs too. roofline=False: on TPU, the
+    FLOPs and bytes are the scanned program's own (one layer's), without the unrolled compiles."""
     platform, hbm, usable, peak, bandwidth = target_figures(target_name)
     spec = config.speculative_config
-    if spec is not None and spec.method in ("draft_model", "draft_head"):
-        raise ValueError(f"speculative_config method {spec.method!r}: the draft's own programs are "
-                         "not built by the compile tool yet; ngram (drafts inside the step) is")
+    drafting = spec.method if spec is not None and spec.method in ("draft_model", "draft_head") else None
+    if drafting and (config.tensor_parallel_size > 1 or config.data_parallel_size > 1):
+        raise ValueError(f"speculative_config method {drafting!r} runs on one device: use "
+                         "tensor_parallel_size=1 and data_parallel_size=1 with it (ngram works on a mesh)")
+    if drafting == "draft_model" and draft_model is None:
+        raise ValueError("speculative_config method 'draft_model': pass the draft's ModelConfig")
+    if drafting == "draft_head" and draft_head is None:
+        raise ValueError("speculative_config method 'draft_head': pass the head's DraftHeadConfig")
     # With disaggregation each pool is a (1, tp) mesh of its own devices, tp its device count.
     tp = config.disaggregation.prefill if config.disaggregation else config.tensor_parallel_size
     devices = _devices_for(target_name, tp * config.data_parallel_size)
     dtype = resolve_dtype(config, platform)
     backend = resolve_backend(config.attention_backend, platform)
     layer_loop = resolve_layer_loop(config, platform)
-    placement = Placement.for_mesh(replica_meshes(tp, 1, devices)[0], model) if tp > 1 else None
+    mesh = replica_meshes(tp, 1, devices)[0] if tp > 1 else None
+    placement_for = lambda m: Placement.for_mesh(mesh, m, config.expert_parallel_size) if mesh else None  # noqa: E731
+    placement = placement_for(model)
     max_model_len = resolve_max_model_len(config, model.max_position_embeddings)
     bs = config.block_size
     max_blocks_per_seq = -(-max_model_len // bs)
 
-    params = served_params_spec(model, dtype=dtype, layer_loop=layer_loop, placement=placement)
-    if placement is None:
-        single = SingleDeviceSharding(devices[0])
-        params = _with_sharding(params, jax.tree.map(lambda _: single, params))
-        replicated = kv_sharding = single
-        kv_config = model
-    else:
-        specs = param_specs(params)
-        shardings = jax.tree.map(lambda s: NamedSharding(placement.mesh, s), specs,
-                                 is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
-        params = _with_sharding(params, shardings)
-        replicated, kv_sharding = placement.replicated, NamedSharding(placement.mesh, KV_CACHE_SPEC)
-        kv_config = placement.layout.padded
+    params, replicated, kv_sharding, kv_config = _abstract_params(model, dtype, layer_loop, placement, devices[0])
     lora_method = "masked"
     if config.enable_lora:  # the adapter slots join the served weights (engine/lora/slots.py)
         from models.lora import LORA_PRODUCT, allocate_lora_buffers
@@ -222,51 +235,28 @@ def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: st
         token_buckets=resolve_token_buckets(config), seq_buckets=resolve_seq_buckets(config),
         max_blocks_per_seq=max_blocks_per_seq, num_blocks=num_blocks, block_size=bs,
         num_logprobs=config.max_logprobs, sample_vocab_size=model.vocab_size,
-        logits_per_seq=1 + (spec.num_speculative_tokens if spec is not None else 0))
-    bits = backend == "xla" and np.dtype(jax.numpy.dtype(dtype)).itemsize == 2
-    kv_dtype = np.uint16 if bits else jax.numpy.dtype(dtype)
-    kv_shape = (kv_config.num_layers, num_blocks, bs, kv_config.num_kv_heads, kv_config.head_dim)
-    kv_leaf = jax.ShapeDtypeStruct(kv_shape, kv_dtype, sharding=kv_sharding)
+        logits_per_seq=1 + (spec.num_speculative_tokens if spec is not None else 0),
+        prompt_scoring=config.prompt_scoring_bucket)
+    kv_leaf = _kv_leaf(kv_config, num_blocks, bs, dtype, backend, kv_sharding)
     table = table_state_spec(shapes)
     table = _with_sharding(table, jax.tree.map(lambda _: replicated, table))
     state = (params, (kv_leaf, kv_leaf), table)
+    keep_hidden = drafting == "draft_head"
     step = make_step(model, shapes, attention_backend=backend, interpret=False,
-                     layer_loop=layer_loop, placement=placement, keep_hidden=False, lora_method=lora_method)
-    builder = BatchBuilder(max_blocks_per_seq=max_blocks_per_seq, block_size=bs,
-                           vocab_size=shapes.sample_vocab_size)
-    results = []
-    for bucket in shapes.buckets():
-        start = time.perf_counter()
-        lowered = lower_bucket(step, builder, bucket, state, replicated)
-        try:
-            compiled = lowered.compile()
-        except Exception as e:  # XLA:TPU refuses a program that does not fit its HBM
-            if "RESOURCE_EXHAUSTED" not in str(e):
-                raise
-            results.append(_refused(bucket, time.perf_counter() - start, str(e)))
-            if progress:
-                progress(f"  bucket T={bucket.padded_tokens:5d} S={bucket.padded_seqs:4d}: "
-                         f"refused by the compiler: {results[-1].error}")
-            continue
-        seconds = time.perf_counter() - start
-        mem = compiled.memory_analysis()
-        cost = compiled.cost_analysis()
-        cost = cost[0] if isinstance(cost, list | tuple) and cost else cost
-        flops = float(cost["flops"]) if cost and "flops" in cost else None
-        accessed = float(cost["bytes accessed"]) if cost and "bytes accessed" in cost else None
-        roof = max(flops / peak, accessed / bandwidth) if flops is not None and accessed is not None else None
-        decode = bucket.padded_tokens == bucket.padded_seqs
-        inside, outside = count_collectives(compiled.as_text() or "")
-        if layer_loop == "unrolled":  # no loop body: the layers' collectives are all in the entry
-            inside = {k: v / model.num_layers for k, v in outside.items()}
-        results.append(BucketResult(
-            bucket.padded_tokens, bucket.padded_seqs, bucket.padded_logits, seconds,
-            int(mem.temp_size_in_bytes) if mem else 0, int(mem.generated_code_size_in_bytes) if mem else 0,
-            flops, accessed, roof, bucket.padded_seqs / roof if roof and decode else None,
-            inside, outside, compiled))
-        if progress:
-            progress(f"  bucket T={bucket.padded_tokens:5d} S={bucket.padded_seqs:4d}: "
-                     f"compiled in {seconds:6.2f} s, temp {results[-1].temp_bytes / 2**20:9.1f} MiB")
+                     layer_loop=layer_loop, placement=placement, keep_hidden=keep_hidden, lora_method=lora_method)
+    cost_model = _LayerCost(model, shapes, backend, dtype, placement_for, devices[0]) \
+        if roofline and platform == "tpu" and layer_loop != "unrolled" else None
+    # Without the unrolled compiles a scanned program's own cost holds one layer: none reported.
+    results = _compile_buckets(step, shapes, shapes.all_buckets(), state, replicated, layer_loop=layer_loop,
+                               num_layers=model.num_layers, peak=peak, bandwidth=bandwidth,
+                               cost_model=cost_model, progress=progress,
+                               own_cost=layer_loop == "unrolled" or platform != "tpu")
+    draft = None
+    if drafting == "draft_model":
+        draft = _draft_model_programs(draft_model, shapes, dtype=dtype, backend=backend, layer_loop=layer_loop,
+                                      device=devices[0], peak=peak, bandwidth=bandwidth, progress=progress)
+    elif drafting == "draft_head":
+        draft = _draft_head_programs(draft_head, params, shapes, spec.num_speculative_tokens, progress=progress)
     transfers = _transfer_programs(config, target_name, kv_leaf, max_blocks_per_seq) if config.disaggregation else []
     meta = manifest(platform=platform, device_kind=devices[0].device_kind, model=model, dtype=dtype,
                     attention_backend=backend, layer_loop=layer_loop, tensor_parallel_size=tp,
@@ -277,7 +267,166 @@ def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: st
         num_blocks=num_blocks, hbm_bytes=hbm, usable_bytes=usable, weights_bytes=weights,
         kv_cache_bytes=2 * _nbytes(kv_leaf), table_bytes=tree_bytes_per_device(table),
         kv_bytes_per_block=per_block, buckets=results, shapes=shapes, manifest=meta,
-        transfers=transfers)
+        transfers=transfers, draft=draft)
+
+
+def _abstract_params(model: ModelConfig, dtype: str, layer_loop: str, placement, device):
+    """(weights with their shardings, the replicated sharding, the KV cache's, the per-device
+    KV shape's config) as the runner would serve them."""
+    params = served_params_spec(model, dtype=dtype, layer_loop=layer_loop, placement=placement)
+    if placement is None:
+        single = SingleDeviceSharding(device)
+        return _with_sharding(params, jax.tree.map(lambda _: single, params)), single, single, model
+    specs = param_specs(params)
+    shardings = jax.tree.map(lambda s: NamedSharding(placement.mesh, s), specs,
+                             is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    return (_with_sharding(params, shardings), placement.replicated,
+            NamedSharding(placement.mesh, KV_CACHE_SPEC), placement.layout.padded)
+
+
+def _kv_leaf(kv_config: ModelConfig, num_blocks: int, bs: int, dtype: str, backend: str, sharding):
+    bits = backend == "xla" and np.dtype(jax.numpy.dtype(dtype)).itemsize == 2
+    kv_dtype = np.uint16 if bits else jax.numpy.dtype(dtype)
+    kv_shape = (kv_config.num_layers, num_blocks, bs, kv_config.num_kv_heads, kv_config.head_dim)
+    return jax.ShapeDtypeStruct(kv_shape, kv_dtype, sharding=sharding)
+
+
+def _compile_buckets(step, shapes: RunnerShapes, buckets, state, replicated, *, layer_loop: str,
+                     num_layers: int, peak: float, bandwidth: float, cost_model=None, progress=print,
+                     label: str = "bucket", own_cost: bool = True) -> list[BucketResult]:
+    builder = BatchBuilder(max_blocks_per_seq=shapes.max_blocks_per_seq, block_size=shapes.block_size,
+                           vocab_size=shapes.sample_vocab_size)
+    results = []
+    for bucket in buckets:
+        start = time.perf_counter()
+        lowered = lower_bucket(step, builder, bucket, state, replicated)
+        try:
+            compiled = lowered.compile()
+        except Exception as e:  # XLA:TPU refuses a program that does not fit its HBM
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            results.append(_refused(bucket, time.perf_counter() - start, str(e)))
+            if progress:
+                progress(f"  {label} T={bucket.padded_tokens:5d} S={bucket.padded_seqs:4d}: "
+                         f"refused by the compiler: {results[-1].error}")
+            continue
+        seconds = time.perf_counter() - start
+        mem = compiled.memory_analysis()
+        if cost_model is not None:  # the loop's cost counted once per layer, not once in all
+            flops, accessed = cost_model.cost(bucket, builder)
+        elif own_cost:
+            flops, accessed = _cost(compiled)
+        else:
+            flops = accessed = None
+        roof = max(flops / peak, accessed / bandwidth) if flops is not None and accessed is not None else None
+        decode = bucket.padded_tokens == bucket.padded_seqs and bucket.padded_logits == bucket.padded_seqs
+        inside, outside = count_collectives(compiled.as_text() or "")
+        if layer_loop == "unrolled":  # no loop body: the layers' collectives are all in the entry
+            inside = {k: v / num_layers for k, v in outside.items()}
+        results.append(BucketResult(
+            bucket.padded_tokens, bucket.padded_seqs, bucket.padded_logits, seconds,
+            int(mem.temp_size_in_bytes) if mem else 0, int(mem.generated_code_size_in_bytes) if mem else 0,
+            flops, accessed, roof, bucket.padded_seqs / roof if roof and decode else None,
+            inside, outside, compiled))
+        if progress:
+            progress(f"  {label} T={bucket.padded_tokens:5d} S={bucket.padded_seqs:4d} "
+                     f"L={bucket.padded_logits:4d}: compiled in {seconds:6.2f} s, "
+                     f"temp {results[-1].temp_bytes / 2**20:9.1f} MiB")
+    return results
+
+
+def _cost(compiled) -> tuple[float | None, float | None]:
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list | tuple) and cost else cost
+    flops = float(cost["flops"]) if cost and "flops" in cost else None
+    accessed = float(cost["bytes accessed"]) if cost and "bytes accessed" in cost else None
+    return flops, accessed
+
+
+class _LayerCost:
+    """FLOPs and bytes of a step over all its layers. XLA's cost analysis counts a while loop's
+    body once, whatever its trip count, so the scanned step's own figures hold one layer: the
+    step is compiled again unrolled with p and 2p layers (p: the layer pattern's period) and the
+    difference, one period's cost, is extrapolated to the model's layer count."""
+
+    def __init__(self, model, shapes, backend, dtype, placement_for, device):
+        self.period = model.layer_period
+        self.num_layers = model.num_layers
+        self.variants = []
+        for n in (self.period, 2 * self.period):
+            small = dataclasses.replace(model, num_layers=n,
+                                        layer_types=model.layer_types[:n] if model.layer_types else None)
+            placement = placement_for(small)
+            params, replicated, kv_sharding, kv_config = _abstract_params(small, dtype, "unrolled", placement, device)
+            kv = _kv_leaf(kv_config, shapes.num_blocks, shapes.block_size, dtype, backend, kv_sharding)
+            table = table_state_spec(shapes)
+            table = _with_sharding(table, jax.tree.map(lambda _, r=replicated: r, table))
+            step = make_step(small, shapes, attention_backend=backend, interpret=False, layer_loop="unrolled",
+                             placement=placement, keep_hidden=False)
+            self.variants.append((step, (params, (kv, kv), table), replicated))
+
+    def cost(self, bucket, builder) -> tuple[float | None, float | None]:
+        figures = []
+        for step, state, replicated in self.variants:
+            f, b = _cost(lower_bucket(step, builder, bucket, state, replicated).compile())
+            if f is None or b is None:
+                return None, None
+            figures.append((f, b))
+        (f1, b1), (f2, b2) = figures
+        periods = (self.num_layers - self.period) / self.period
+        return f1 + periods * (f2 - f1), b1 + periods * (b2 - b1)
+
+
+def _draft_model_programs(draft: ModelConfig, shapes: RunnerShapes, *, dtype, backend, layer_loop, device,
+                          peak, bandwidth, progress) -> dict:
+    """The draft model's runner (engine/core/builder.py build_draft_proposer: the target's buckets
+    and block tables, one more token bucket for rows catching up, one logit row per sequence)."""
+    draft_shapes = dataclasses.replace(
+        shapes, token_buckets=(*shapes.token_buckets, shapes.token_buckets[-1] + shapes.max_num_seqs),
+        num_logprobs=0, logits_per_seq=1, sample_vocab_size=min(shapes.sample_vocab_size, draft.vocab_size),
+        prompt_scoring=False)
+    params, replicated, kv_sharding, kv_config = _abstract_params(draft, dtype, layer_loop, None, device)
+    kv = _kv_leaf(kv_config, draft_shapes.num_blocks, draft_shapes.block_size, dtype, backend, kv_sharding)
+    table = table_state_spec(draft_shapes)
+    table = _with_sharding(table, jax.tree.map(lambda _: replicated, table))
+    step = make_step(draft, draft_shapes, attention_backend=backend, interpret=False, layer_loop=layer_loop,
+                     placement=None, keep_hidden=False)
+    results = _compile_buckets(step, draft_shapes, draft_shapes.all_buckets(), (params, (kv, kv), table),
+                               replicated, layer_loop=layer_loop, num_layers=draft.num_layers, peak=peak,
+                               bandwidth=bandwidth, progress=progress, label="draft bucket")
+    return {"method": "draft_model", "model": draft.name,
+            "weights_bytes": tree_bytes_per_device(params), "kv_cache_bytes": 2 * _nbytes(kv),
+            "table_bytes": tree_bytes_per_device(table),
+            "programs": [{"program": "draft step", "padded_tokens": r.padded_tokens, "padded_seqs": r.padded_seqs,
+                          "compile_s": r.compile_s, "temp_bytes": r.temp_bytes, "error": r.error}
+                         for r in results]}
+
+
+def _draft_head_programs(cfg, target_params, shapes: RunnerShapes, k: int, *, progress) -> dict:
+    """The draft head's chain (engine/spec_decode/draft_head.py DraftHeadProposer: one program per
+    sequence bucket over the target's final hidden states), with abstract head weights and the
+    target's arrays it reads (embedding, final norm, lm_draft)."""
+    from engine.spec_decode.draft_head import draft_head_program
+
+    device = jax.tree.leaves(target_params)[0].sharding
+    fn, head, shared = draft_head_program(cfg, target_params, k)
+    head = _with_sharding(head, jax.tree.map(lambda _: device, head))
+    shared = _with_sharding(shared, jax.tree.map(lambda _: device, shared))
+    hidden = jax.ShapeDtypeStruct((shapes.max_logits, cfg.hidden_size), np.float32, sharding=device)
+    programs = []
+    for s in shapes.seq_buckets:
+        rows = jax.ShapeDtypeStruct((s,), np.int32, sharding=device)
+        start = time.perf_counter()
+        compiled = fn.lower(head, shared, hidden, rows, rows).compile()
+        mem = compiled.memory_analysis()
+        programs.append({"program": "draft head", "padded_seqs": s, "compile_s": time.perf_counter() - start,
+                         "temp_bytes": int(mem.temp_size_in_bytes) if mem else 0, "error": None})
+        if progress:
+            progress(f"  draft head S={s:4d}: compiled in {programs[-1]['compile_s']:6.2f} s")
+    # lm_draft is the head's own copy (float32 [e, V']); embedding and final norm are the target's.
+    own = tree_bytes_per_device(head) + _nbytes(shared["lm_draft"]) + _nbytes(shared["vocab_map"])
+    return {"method": "draft_head", "model": cfg.target or "draft head", "weights_bytes": own,
+            "kv_cache_bytes": 0, "table_bytes": 0, "programs": programs}
 
 
 def _transfer_programs(config: EngineConfig, target_name: str, kv_leaf, max_blocks_per_seq: int) -> list:

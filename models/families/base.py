@@ -11,7 +11,7 @@ expert axis, or None for replicated).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 # The tensors of a Llama-style layer (Hugging Face suffix -> our name, models/weights.py).
 LLAMA_TENSORS = {

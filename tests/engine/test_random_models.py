@@ -27,7 +27,7 @@ def sp_model_path(tmp_path_factory):
 @pytest.fixture(scope="module")
 def llm(sp_model_path):
     return LLM("random:tiny", tokenizer=sp_model_path, max_num_seqs=4, max_num_batched_tokens=32,
-               max_model_len=128, token_buckets=(8, 32), seq_buckets=(4,), compilation_cache_dir=None,
+               max_model_len=128, token_buckets=(8, 32), seq_buckets=(4,), compilation_cache_dir=None, prompt_scoring_bucket=False,
                progress=False)
 
 
@@ -55,7 +55,8 @@ def test_greedy_is_deterministic_across_batches(llm):
 
 def test_byte_tokenizer_random_model_chat():
     llm = LLM("random:tiny", max_num_seqs=2, max_num_batched_tokens=32, max_model_len=128,
-              token_buckets=(8, 32), seq_buckets=(2,), compilation_cache_dir=None, progress=False)
+              token_buckets=(8, 32), seq_buckets=(2,), compilation_cache_dir=None, prompt_scoring_bucket=False,
+              progress=False)
     out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(temperature=0, max_tokens=5,
                                                                         ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 5

@@ -39,6 +39,7 @@ def test_kv_cache_is_donated_and_aliased_in_place(engine):
     assert num_aliases >= 2 + 10, hlo[:2000]
 
 
+@pytest.mark.extended  # make test-extended (CI runs it after make test)
 def test_second_start_reuses_the_persistent_compilation_cache(tmp_path):
     """Two engines built one after the other in a fresh process, jax's in-memory caches cleared
     between them: the first compiles and writes the cache, the second reads every bucket back."""
@@ -97,6 +98,7 @@ def test_background_compile_serves_at_once_in_compiled_buckets_then_compiles_the
     assert {k: v.outputs[0].token_ids for k, v in got.items()} == {k: v.outputs[0].token_ids for k, v in want.items()}
 
 
+@pytest.mark.extended  # make test-extended (CI runs it after make test)
 def test_exit_while_buckets_compile_in_the_background_is_clean(tmp_path):
     """A process that ends while the background thread is inside an XLA compile exits 0: at exit
     the thread stops after its current bucket (a daemon thread killed mid-compile aborted the

@@ -37,6 +37,9 @@ from tests.engine.test_spec_decode_tiny import (
     same_tokens_through_preemption_and_prefix_caching,
 )
 
+# Trains a head, then serves it: make test-extended (CI runs it after make test).
+pytestmark = pytest.mark.extended
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SPEC = dict(method="draft_head", num_speculative_tokens=3, disable_by_batch_size=None,
             disable_by_token_share=1.0, min_acceptance_rate=0.0)

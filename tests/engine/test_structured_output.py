@@ -35,6 +35,7 @@ def _run(engine, prompt, params_list, prefix):
     return [done[f"{prefix}-{i}"] for i in range(len(params_list))]
 
 
+@pytest.mark.extended  # make test-extended (CI runs it after make test)
 def test_fifty_random_schemas_all_validate_at_temperature_one(engine):
     schemas = random_schemas(50, seed=0)
     params = [SamplingParams(temperature=1.0, max_tokens=64, seed=i,

@@ -106,6 +106,7 @@ def _collectives(hlo: str) -> dict[str, list[tuple[str, str]]]:
     return found
 
 
+@pytest.mark.extended  # tests/experiments/test_aot.py checks the pattern on random:tiny in make test; make test-extended (CI runs it after make test)
 def test_compiled_step_is_the_megatron_pattern(engines):
     """Per layer (the lax.scan body, run num_layers times): exactly 2 all-reduces of the
     residual stream [T, e]; per step: the vocab-parallel embedding's all-reduce and one

@@ -18,6 +18,9 @@ from models.llama import forward_dense
 from models.served_layout import stack_layers
 from tests.engine.conftest import run_to_completion
 
+# TP on the default model (tests/engine/test_tensor_parallel.py covers TP on random:tiny in make test): make test-extended (CI runs it after make test).
+pytestmark = pytest.mark.extended
+
 NEW_TOKENS = 8
 SYSTEM = ("You are a careful assistant. Answer in plain words, keep it short, and do not repeat "
           "the question. Prefer facts to opinions, and say when you do not know.")

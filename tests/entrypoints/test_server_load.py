@@ -172,6 +172,7 @@ def test_sigterm_finishes_in_flight_requests_then_exits_zero():
         assert result["done"] and result["usage"]["completion_tokens"] == 60
 
 
+@pytest.mark.extended  # make test-extended (CI runs it after make test)
 def test_sigterm_after_grace_ends_streams_cleanly():
     proc = ServerProcess("--fake_step_sleep=0.01", "--shutdown_grace_s=0.3").start()
 
@@ -192,6 +193,7 @@ def test_sigterm_after_grace_ends_streams_cleanly():
     assert 3 <= len(events) < 400
 
 
+@pytest.mark.extended  # make test-extended (CI runs it after make test)
 def test_second_signal_cuts_the_grace_period_short():
     proc = ServerProcess("--fake_step_sleep=0.01", "--shutdown_grace_s=60").start()
 

@@ -42,6 +42,7 @@ def _greedy(server) -> str:
     return json.loads(text)["choices"][0]["text"]
 
 
+@pytest.mark.extended  # test_server_hostile.py covers them piecewise; make test-extended (CI runs it after make test)
 def test_hostile_inputs_end_to_end(server):
     reference = _greedy(server)
     for name, path, body in CASES:

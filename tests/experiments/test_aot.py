@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from engine.config import EngineConfig
+from engine.speculative_config import SpeculativeConfig
 from experiments import aot
 from experiments.lab.aot_build import compile_for_target, count_collectives
 from models.config import preset_config
@@ -32,7 +33,9 @@ def cpu_tp2():
 
 def test_cpu_target_builds_every_bucket_with_the_engines_shapes(cpu_tp2):
     config, build = cpu_tp2
-    assert [(b.padded_tokens, b.padded_seqs) for b in build.buckets] == [(4, 4), (8, 4)]
+    # The plain buckets, then the scoring bucket (the largest with a logit row per token).
+    assert [(b.padded_tokens, b.padded_seqs, b.padded_logits) for b in build.buckets] == [
+        (4, 4, 4), (8, 4, 4), (8, 4, 8)]
     assert all(b.compile_s > 0 for b in build.buckets)
     # The KV cache as the engine sizes it on the CPU: its byte budget, capped at what it can use.
     assert build.num_blocks == 4 * (128 // 16) + 1
@@ -56,7 +59,7 @@ def test_report_keys_and_the_capacity_figures(cpu_tp2):
     d = r["per_device_bytes"]
     assert d["total"] == d["weights"] + d["kv_cache"] + d["request_table"] + d["temp"]
     assert r["max_kv_tokens"] >= r["kv_tokens"]
-    assert [set(b) >= {"compile_s", "padded_tokens"} for b in r["buckets"]] == [True, True]
+    assert [set(b) >= {"compile_s", "padded_tokens"} for b in r["buckets"]] == [True] * 3
     json.dumps(r)  # serializable
     assert "FITS" in aot.format_report(r)
 
@@ -93,14 +96,27 @@ def test_collective_counting_reads_loop_bodies():
 
 
 def test_too_few_devices_is_named():
-    out = subprocess.run([sys.executable, "-m", "experiments.aot", "--target=cpu", "--model=random:tiny",
-                          "--tensor_parallel_size=64"], capture_output=True, text=True, timeout=300)
-    assert out.returncode != 0 and "needs 64 devices, the target has" in out.stderr
+    config = EngineConfig(model="random:tiny", tensor_parallel_size=64, **SMALL)
+    with pytest.raises(ValueError, match="needs 64 devices, the target has"):
+        compile_for_target(config, TINY, "cpu", progress=None)
 
 
 # ---- the device compilers (make aot-setup; make aot-test) --------------------------------------
 
+@pytest.fixture
+def no_persistent_cache():
+    """Executables for compile-only devices cannot be loaded back from the persistent cache
+    (tests/conftest.py turns it on): neither write them there nor try to read them."""
+    import jax
+
+    enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    yield
+    jax.config.update("jax_enable_compilation_cache", enabled)
+
+
 @pytest.mark.aot
+@pytest.mark.usefixtures("no_persistent_cache")
 def test_small_model_step_compiles_for_a_tpu_topology_at_tp2():
     config = EngineConfig(model="random:tiny", tensor_parallel_size=2, **SMALL)
     build = compile_for_target(config, TINY, "v5e-4", progress=None)
@@ -113,6 +129,7 @@ def test_small_model_step_compiles_for_a_tpu_topology_at_tp2():
 
 
 @pytest.mark.aot
+@pytest.mark.usefixtures("no_persistent_cache")
 def test_small_model_step_compiles_for_a_gpu_target(tmp_path):
     path = tmp_path / "h100.json"
     out = subprocess.run(
@@ -122,7 +139,56 @@ def test_small_model_step_compiles_for_a_gpu_target(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(path.read_text())
     assert r["attention_backend"] == "pallas_gpu" and r["fits"] is True
-    assert r["hbm_bytes"] > 70 * 2**30 and [b["compile_s"] > 0 for b in r["buckets"]] == [True, True]
+    assert r["hbm_bytes"] > 70 * 2**30 and [b["compile_s"] > 0 for b in r["buckets"]] == [True] * 3
+
+
+@pytest.mark.aot
+@pytest.mark.usefixtures("no_persistent_cache")
+def test_the_tpu_roofline_counts_every_layer_of_the_loop():
+    """XLA's cost analysis counts a while loop's body once: the scanned step's own FLOPs hold one
+    layer. The report's figures (the step unrolled at 1 and 2 layers, extrapolated) equal those of
+    the step compiled unrolled over all six layers."""
+    import dataclasses
+
+    from experiments.lab.aot_build import _cost
+
+    model = dataclasses.replace(TINY, num_layers=6)
+    small = dict(SMALL, token_buckets=(4,), max_num_batched_tokens=4, prompt_scoring_bucket=False)
+    scanned = compile_for_target(EngineConfig(model="random:tiny", **small), model, "v5e-1", progress=None)
+    unrolled = compile_for_target(EngineConfig(model="random:tiny", scan_layers=False, **small), model,
+                                  "v5e-1", progress=None)
+    assert (scanned.layer_loop, unrolled.layer_loop) != ("unrolled", "unrolled")
+    s, u = scanned.buckets[0], unrolled.buckets[0]
+    assert _cost(s.executable)[0] < 0.5 * u.flops  # the loop's body counted once
+    assert s.flops == pytest.approx(u.flops, rel=0.02)
+    assert s.bytes_accessed == pytest.approx(u.bytes_accessed, rel=0.1)
+
+
+@pytest.mark.aot
+@pytest.mark.usefixtures("no_persistent_cache")
+@pytest.mark.parametrize("target", ["v5e-1", "h100"])
+def test_speculative_drafts_compile_with_their_own_programs(target):
+    """draft_model: its runner's buckets (one more token bucket); draft_head: its chain per
+    sequence bucket over the target's hidden states; both counted in the bytes per device."""
+    from engine.spec_decode.draft_head import DraftHeadConfig
+
+    spec = SpeculativeConfig.from_value({"method": "draft_model", "model": "random:tiny",
+                                         "num_speculative_tokens": 2})
+    config = EngineConfig(model="random:tiny", speculative_config=spec, **SMALL)
+    build = compile_for_target(config, TINY, target, draft_model=TINY, progress=None)
+    d = build.draft
+    assert [(p["padded_tokens"], p["padded_seqs"]) for p in d["programs"]] == [(4, 4), (8, 4), (12, 4)]
+    assert d["weights_bytes"] > 0 and d["kv_cache_bytes"] == build.kv_cache_bytes  # same shape, blocks
+    assert build.total_bytes > build.weights_bytes + build.kv_cache_bytes + d["weights_bytes"] and build.fits
+
+    spec = SpeculativeConfig.from_value({"method": "draft_head", "model": "/nonexistent",
+                                         "num_speculative_tokens": 2})
+    head = DraftHeadConfig.for_target(TINY, draft_vocab_size=64)
+    config = EngineConfig(model="random:tiny", speculative_config=spec, **SMALL)
+    build = compile_for_target(config, TINY, target, draft_head=head, progress=None)
+    assert [p["padded_seqs"] for p in build.draft["programs"]] == [4] and build.fits
+    assert build.draft["weights_bytes"] > 64 * TINY.hidden_size * 4  # lm_draft, float32
+    assert "draft (draft_head" in aot.format_report(aot.report(build, TINY, config))
 
 
 # ---- saved executables, loaded by another process -------------------------------------------
@@ -148,6 +214,7 @@ def _generate(folder: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.extended  # make test-extended (CI runs it after make test)
 def test_saved_executables_load_in_another_process_with_equal_outputs(tmp_path):
     folder = tmp_path / "exe"
     saved = subprocess.run(
@@ -157,9 +224,10 @@ def test_saved_executables_load_in_another_process_with_equal_outputs(tmp_path):
         timeout=600)
     assert saved.returncode == 0, saved.stderr[-3000:]
     assert sorted(p.name for p in folder.iterdir()) == [
-        "manifest.json", "step_T4_S4_L4.pkl", "step_T8_S4_L4.pkl"]
+        "manifest.json", "step_T4_S4_L4.pkl", "step_T8_S4_L4.pkl", "step_T8_S4_L8.pkl"]
     loaded, compiled = _generate(str(folder)), _generate("")
     assert loaded["tokens"] == compiled["tokens"]
+    assert loaded["step_compiles"] == 0  # every program loaded, the scoring bucket too
 
 
 def test_a_manifest_that_differs_is_refused_by_field(tmp_path):

@@ -8,6 +8,11 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
+# The experiments end to end: make test-extended (CI runs it after make test).
+pytestmark = pytest.mark.extended
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY_ENGINE = ("--model=random:tiny", "--max_num_seqs=4", "--max_num_batched_tokens=64",
                "--token_buckets=16,64")

@@ -17,6 +17,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "entrypoints"))
 from server_launcher import ServerProcess  # noqa: E402
 
+# bench_serving against a real server: make test-extended (CI runs it after make test).
+pytestmark = pytest.mark.extended
+
 SERVER_FLAGS = (
     "--model=random:tiny", "--max_num_seqs=4", "--max_num_batched_tokens=64", "--max_model_len=512",
     "--block_size=16", "--num_kv_blocks=129", "--token_buckets=16,64", "--seq_buckets=4",

@@ -1,5 +1,7 @@
 """experiments.ideas.speculative's summary (experiments.lab.speculative_summary): each arm against off, the crossover, the automatic arm's goal."""
 
+import pytest
+
 from experiments.lab.speculative_summary import ArmResult, median_of_rounds, summarize
 
 
@@ -28,6 +30,7 @@ def test_rounds_report_the_median_throughput_and_keep_every_round():
     assert median_of_rounds(rounds[:2]).tokens_per_s == 21.0
 
 
+@pytest.mark.extended  # make test-extended (CI runs it after make test)
 def test_the_sweep_end_to_end_on_random_tiny(tmp_path):
     """experiments.ideas.speculative's command line at toy size (a subprocess: its absl flags are global): two
     concurrencies, two interleaved rounds, prompts cached first; what it writes and its accounting."""

@@ -76,6 +76,7 @@ def test_last_logits_and_greedy_continuations_match_transformers(reference, dens
 BF16_NEAR_TIE = 0.5
 
 
+@pytest.mark.extended  # make test-extended (CI runs it after make test)
 def test_bfloat16_greedy_agrees_with_the_reference_except_at_near_ties():
     from experiments.bench.bf16_agreement import agreement
 

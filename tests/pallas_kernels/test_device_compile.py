@@ -25,6 +25,7 @@ memory_analysis() with the caches among its arguments, and carry device code: TP
 import dataclasses
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -117,7 +118,7 @@ def _step(q, k_new, v_new, k_cache, v_cache, slots, seq_lens, block_tables, quer
         block_size=s.block_size, backend=backend, sliding_window=s.sliding_window,
         head_dim=s.head_dim, **dict(s.tuning))
     index = {"traced": layer, "static": NUM_LAYERS - 1, "single": None}[s.layout]
-    k_cache, v_cache = write_kv(k_cache, v_cache, k_new, v_new, slots, layer=index)
+    k_cache, v_cache = write_kv(k_cache, v_cache, k_new, v_new, slots, layer=index, backend=backend)
     out = ragged_paged_attention(
         q, k_cache, v_cache, md, layer=index, sm_scale=1 / math.sqrt(s.head_dim),
         sliding_window=s.sliding_window, soft_cap=s.soft_cap, backend=backend)
@@ -150,6 +151,13 @@ def _check_compiled(compiled, s: Shape, backend: str, target: str) -> None:
     text = compiled.as_text()
     if backend == "pallas_tpu":
         assert "tpu_custom_call" in text and "ragged_paged_attention_tpu" in text
+        assert "write_kv_tpu" in text  # the Mosaic write, not a scatter
+        # The caches stay in the layout the kernels read: XLA copies neither (a copy of a
+        # cache-sized array is the relayout the scatter used to force before every attention).
+        cache = re.escape(",".join(map(str, _cache_shape(s))))
+        copies = [line for line in text.splitlines()
+                  if re.search(r"\bcopy(-start)?\(", line) and re.search(rf"\[{cache}\]", line)]
+        assert not copies, copies[:2]
     else:
         assert "__gpu$xla.gpu.triton" in text and "ragged_paged_attention_gpu" in text
     mem = compiled.memory_analysis()

@@ -10,8 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import prepare_attention_metadata, ragged_paged_attention, validation
-from pallas_kernels import xla_forms
+from pallas_kernels import prepare_attention_metadata, ragged_paged_attention, validation, xla_forms
 from tests.pallas_kernels.cases import BATCH_KEYS, Case, case_options, make_batch, oracle, tolerance
 from tests.pallas_kernels.test_xla import CASES, EDGE_CASES
 

@@ -125,7 +125,7 @@ def checked_step(scheduler, model, check_invariants, abort_in_flight=None) -> li
 
 
 SETTINGS = settings(
-    max_examples=200,
+    max_examples=100,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
