@@ -29,7 +29,8 @@ zero adapter, "none"), r the rank padded to max_lora_rank (R), n a product's sta
    - "masked": every slot's shrink for every token, the other slots' zeroed, one expand over
      all slots as a single [t, s * R] x [s * R, out] product (what "ragged" is on the CPU,
      spelled as two plain dots).
-   `LORA_PRODUCT` picks per platform, from measurement (BUILD_NOTES.md, "LoRA").
+   `LORA_PRODUCT` picks per platform, from measurement (BUILD_NOTES.md, "LoRA"); "auto" picks
+   gather for small buckets and masked for large ones.
 4. `merge_lora`: the reference, W + scale * B A merged into loader-layout weights.
 """
 
@@ -56,10 +57,11 @@ TARGET_MODULES = {
 }
 LORA_PRODUCTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 LORA_METHODS = ("gather", "ragged", "masked")
-# "auto": per bucket, "gather" up to GATHER_MAX_TOKENS tokens (decode steps: each token reads its
-# own adapter's rows), "masked" above (prefill: every slot's weights read once for all tokens).
-# Measured on the 2-core CPU (BUILD_NOTES.md "LoRA"); accelerators group by adapter.
-LORA_PRODUCT = {"cpu": "auto", "gpu": "ragged", "tpu": "ragged"}
+# "auto": per bucket, "gather" up to GATHER_MAX_TOKENS tokens (each token reads its own adapter's
+# rows), "masked" above (every slot's weights read once for all tokens). On the 2-core CPU masked
+# was fastest at 32-row decode and at prefill (BUILD_NOTES.md "LoRA", exp_lora); accelerators
+# group by adapter (not measured: no accelerator was lent).
+LORA_PRODUCT = {"cpu": "masked", "gpu": "ragged", "tpu": "ragged"}
 GATHER_MAX_TOKENS = 32
 
 CONFIG_FILE = "adapter_config.json"
