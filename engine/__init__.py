@@ -6,6 +6,7 @@ The house, lowest first; arrows point down only (tests/test_layering.py checks t
   RequestOutput (outputs.py), ParamError (errors.py), RowParams (row_params.py) and the server's
   metrics (metrics.py);
 - spec_decode/ and structured_output/: the two features' proposers, grammars and masks;
+- lora/: LoRA adapters (host cache and manager, device slots; knobs in lora_config.py);
 - step/: the compiled step and what feeds it (runner, request table, buckets, sampler, cache);
 - core/: the engine loop (LLMEngine, its builder, request state, stats);
 - disaggregation/: prefill and decode on two pools (PDEngine, the decode pool process);
@@ -15,6 +16,7 @@ The OpenAI-compatible server is in `entrypoints/openai/` (`python -m entrypoints
 """
 
 from engine.config import EngineConfig
+from engine.lora_config import LoRARequest
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.structured_params import StructuredOutputsParams
@@ -34,5 +36,5 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams",
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "LoRARequest", "RequestOutput", "SamplingParams",
            "StructuredOutputsParams"]

@@ -12,6 +12,7 @@ import dataclasses
 import os
 
 from engine.disaggregation_config import DisaggregationConfig
+from engine.lora_config import check_lora_config
 from engine.speculative_config import SpeculativeConfig
 from scheduler.config import KV_ALLOCATIONS, POLICIES
 
@@ -60,6 +61,12 @@ class EngineConfig:
     process_id: int = 0  # multi-host: this process (0 schedules and serves; the others follow)
     speculative_config: SpeculativeConfig | dict | None = None  # speculative decoding, vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 3} (keys: engine/speculative_config.py; a JSON object as a flag); None: off
     disaggregation: DisaggregationConfig | str | dict | None = None  # prefill/decode disaggregation over two device pools, e.g. "prefill:2,decode:2" (keys: engine/disaggregation_config.py); None: colocated
+    enable_lora: bool = False  # serve LoRA adapters (PEFT folders) over the base model, per request (engine/lora/)
+    max_loras: int = 1  # with enable_lora: adapter slots on the device (distinct adapters in one step)
+    max_lora_rank: int = 16  # with enable_lora: the largest adapter rank; every slot is padded to it
+    max_cpu_loras: int | None = None  # with enable_lora: adapters kept in host memory (LRU); None: max_loras
+    lora_modules: tuple[str, ...] | None = None  # with enable_lora: adapters served from the start, each "name=path" (a flag: comma-separated)
+    lora_product: str | None = None  # with enable_lora: how the step computes the per-token adapter products, gather | ragged | masked | auto (gather for small token buckets, masked for large; models/lora.py); None: the platform's measured default
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -127,6 +134,7 @@ class EngineConfig:
             raise ValueError(f"speculative_config.num_speculative_tokens ({spec.num_speculative_tokens}) "
                              f"must be below max_num_batched_tokens ({self.max_num_batched_tokens})")
         self._check_disaggregation()
+        check_lora_config(self)
         if self.token_buckets is not None and self.token_buckets[-1] < self.max_num_batched_tokens:
             raise ValueError(
                 "EngineConfig.token_buckets: the largest bucket "

@@ -28,6 +28,8 @@ class RowParams:
     # Host-side mask state, one per sequence, advanced by the engine (compare=False: mutable).
     grammar: object = dataclasses.field(default=None, compare=False)  # structured_output GrammarState
     banned: object = dataclasses.field(default=None, compare=False)  # BadWordsState (multi-token)
+    # The LoRA adapter (engine/lora/manager.LoadedAdapter) the runner gives the row's tokens; None: base
+    lora: object = dataclasses.field(default=None, compare=False)
 
     @property
     def constrained(self) -> bool:

@@ -158,6 +158,11 @@ def define_flags() -> None:
                         "with the draft's model spec, draft_head with the head's folder).")
     flags.DEFINE_string("disaggregation", None, "As the server takes it, e.g. prefill:2,decode:2: "
                         "also compiles the KV gather and scatter between the pools.")
+    flags.DEFINE_bool("enable_lora", False, "Compile with LoRA adapter slots (engine/lora/).")
+    flags.DEFINE_integer("max_loras", 1, "With --enable_lora: adapter slots on the device.")
+    flags.DEFINE_integer("max_lora_rank", 16, "With --enable_lora: the slots' rank.")
+    flags.DEFINE_string("lora_product", None, "With --enable_lora: gather, ragged or masked (models/lora.py); "
+                        "default: the target platform's.")
     flags.DEFINE_bool("roofline", True, "On TPU, also compile each bucket unrolled at one and two layer "
                       "periods: FLOPs and bytes of every layer (XLA's cost analysis counts a scan's body "
                       "once); about doubles the compile time.")
@@ -180,7 +185,8 @@ def engine_config_from_flags(f) -> EngineConfig:
         block_size=f.block_size, num_kv_blocks=f.num_kv_blocks,
         kv_cache_memory_fraction=f.kv_cache_memory_fraction, token_buckets=ints(f.token_buckets),
         seq_buckets=ints(f.seq_buckets), attention_backend=f.attention_backend,
-        speculative_config=spec, disaggregation=f.disaggregation)
+        speculative_config=spec, disaggregation=f.disaggregation, enable_lora=f.enable_lora,
+        max_loras=f.max_loras, max_lora_rank=f.max_lora_rank, lora_product=f.lora_product)
 
 
 def draft_configs(config: EngineConfig):

@@ -94,6 +94,7 @@ class _Model:
         self.period = config.layer_period
         self.inv_freq = {kind: jnp.asarray(rope_inv_freq(config, kind), jnp.float32)
                          for kind in set(self.kinds)}
+        self.lora = None  # models/lora.LoRAStep when the step serves adapters
 
     def norm(self, x, w):
         return rms_norm(x, w, self.config.rms_norm_eps, self.config.norm_offset)
@@ -116,9 +117,12 @@ class _Model:
 
     # ---- the weight products of one layer, whatever holds them -----------------------------
 
-    def served_ops(self, product, small):
-        """qkv(h), out(attn), mlp(h) from `product(name, *args)` over the served layout."""
+    def served_ops(self, product, small, index=None):
+        """qkv(h), out(attn), mlp(h) from `product(name, *args)` over the served layout (with
+        the step's LoRA deltas added to layer `index`'s products, models/lora.py)."""
         config = self.config
+        if self.lora is not None:
+            product = self.lora.wrap(product, _layer_index(index))
 
         def qkv(h):
             return self.split_qkv(product("qkv_proj", h), small.get("bqkv"))
@@ -134,10 +138,12 @@ class _Model:
 
         return qkv, out, mlp
 
-    def loader_ops(self, layer):
+    def loader_ops(self, layer, index=None):
         """The same over the loaders' layout (separate in-major projections)."""
         if "qkv_proj" in layer:
-            return self.served_ops(lambda name, *a: served_product(name, *a, w=layer[name]), layer)
+            return self.served_ops(lambda name, *a: served_product(name, *a, w=layer[name]), layer, index)
+        if self.lora is not None:
+            raise ValueError("LoRA adapters run on the served layout (models/served_layout.py)")
         config = self.config
 
         def qkv(h):
@@ -214,10 +220,10 @@ class _Model:
 
         if isinstance(layers, list) and scan_layers:
             return _switch_scan(x, cache, layers, p, lambda carry, small, product, index: step(
-                carry, small, self.served_ops(product, small), index))
+                carry, small, self.served_ops(product, small, index), index))
         if isinstance(layers, list):
             for index, layer in enumerate(layers):
-                x, cache = step((x, cache), layer, self.loader_ops(layer), index)
+                x, cache = step((x, cache), layer, self.loader_ops(layer, index), index)
             return x, cache
 
         def group_body(carry, g):  # p stacked layers from index g * p
@@ -225,7 +231,7 @@ class _Model:
                 index = g * p + j
                 layer = unpack_layer({k: jax.lax.dynamic_index_in_dim(w, index, keepdims=False)
                                       for k, w in layers.items()}, dtype)
-                carry = step(carry, layer, self.loader_ops(layer), _Static(index, j))
+                carry = step(carry, layer, self.loader_ops(layer, _Static(index, j)), _Static(index, j))
             return carry, None
 
         carry = (x, cache)
@@ -233,7 +239,7 @@ class _Model:
             carry, _ = jax.lax.scan(group_body, carry, jnp.arange(full // p, dtype=jnp.int32))
         for index in range(full, n):
             layer = unpack_layer({k: w[index] for k, w in layers.items()}, dtype)
-            carry = step(carry, layer, self.loader_ops(layer), index)
+            carry = step(carry, layer, self.loader_ops(layer, index), index)
         return carry
 
 
@@ -278,6 +284,7 @@ def forward_paged(
     tp_axis: str | None = None,
     scan_layers: bool = False,
     return_hidden: bool = False,
+    lora_method: str = "masked",
 ):
     """One step over a ragged batch; returns ((k_cache, v_cache), logits [L, v] float32).
 
@@ -297,7 +304,8 @@ def forward_paged(
     (engine/step/kv_cache.py), in the model dtype or, for a 16-bit model on the xla path, uint16
     holding its bits (pallas_kernels/kv_write.py). `batch` has the StepInputs fields: input_ids [T], positions [T],
     slot_mapping [T], query_start_loc [S+1], seq_lens [S], block_tables [S, max_blocks_per_seq],
-    num_seqs [], logits_indices [L] (see engine/step/step_inputs.py).
+    num_seqs [], logits_indices [L] (see engine/step/step_inputs.py); with adapters in
+    `params["lora"]` (models/lora.py) also lora_slots [T], computed by `lora_method`.
 
     Layers: a stacked `params["layers"]` runs as a lax.scan over the stacked weights with the
     cache in the carry. A list runs as a lax.scan over the layer index with `scan_layers`, whose
@@ -317,6 +325,10 @@ def forward_paged(
     kv_dtype = kv_cache[0].dtype if kv_cache[0].dtype != jnp.uint16 else params["embed"].dtype
     reduce = (lambda y: y) if tp_axis is None else (lambda y: jax.lax.psum(y, tp_axis))
     model = _Model(config, kv_dtype, reduce, tp_axis)
+    if "lora" in params:  # adapters (models/lora.py): each token's slot, 0 = none
+        from models.lora import LoRAStep
+
+        model.lora = LoRAStep(params["lora"], batch.lora_slots, config, lora_method)
 
     def attend(q, k, v, cache, kind, index):  # no weights: compiled once per kind under a scan
         k_cache, v_cache = cache

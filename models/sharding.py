@@ -76,6 +76,22 @@ LLAMA_RULES: dict[str, P] = {
 }
 KV_CACHE_SPEC = P(None, None, None, MODEL_AXIS, None)  # [L, num_blocks, block_size, Hkv, D]
 
+# How the adapter buffers split over the mesh axis "model", matching the base layer (Megatron):
+# column-parallel q/k/v and gate/up: B by its output rows (per-shard fused order, as qkv_proj and
+# gate_up_proj), A replicated; row-parallel o/down: A by its input columns, B replicated, so each
+# device's partial delta joins the base product's partial sum in the same all-reduce.
+LORA_SPLITS = {"qkv_proj": ("b", 1), "gate_up_proj": ("b", 1), "o_proj": ("a", 3), "down_proj": ("a", 3)}
+
+
+def lora_partition_specs(buffers: dict, axis: str) -> dict:
+    out = {}
+    for product, ab in buffers.items():
+        which, dim = LORA_SPLITS[product]
+        out[product] = {k: P(*[axis if (k == which and i == dim) else None for i in range(4)]) for k in ab}
+    return out
+
+
+
 
 @dataclasses.dataclass(frozen=True)
 class TPLayout:
@@ -143,7 +159,9 @@ def param_specs(params: dict, config: ModelConfig | None = None) -> dict:
 
         table = FAMILIES[config.architecture].sharding
     layers = params["layers"]
-    top = {name: _spec(name, a, table) for name, a in params.items() if name != "layers"}
+    top = {name: _spec(name, a, table) for name, a in params.items() if name not in ("layers", "lora")}
+    if "lora" in params:  # LoRA adapter slots (models/lora.py), split as the layers they modify
+        top["lora"] = lora_partition_specs(params["lora"], MODEL_AXIS)
     if isinstance(layers, list):
         return {**top, "layers": [{n: _spec(n, a, table) for n, a in layer.items()} for layer in layers]}
     return {**top, "layers": {n: _spec(n, a, table, stacked=True) for n, a in layers.items()}}
@@ -216,6 +234,32 @@ def _shard_experts(layer: dict, config: ModelConfig, layout: TPLayout, xp=np) ->
         blocks_d.append(down[experts, :, cols])
     return {"experts_gate_up": xp.concatenate(blocks_gu, axis=0),
             "experts_down": xp.concatenate(blocks_d, axis=0)}
+
+
+def shard_lora_values(a: dict, b: dict, config: ModelConfig, layout: TPLayout) -> dict:
+    """One adapter's host layout (LoRAWeights.a / .b, the model's own head counts) -> the padded,
+    per-shard fused layout of models/sharding.py (TPLayout `layout`): padded heads and MLP columns
+    get zero rows, q/k/v (gate/up) rows are laid out shard after shard."""
+    kv, g, kp, tp, d = config.num_kv_heads, config.num_heads // config.num_kv_heads, layout.num_kv_heads, layout.tp, config.head_dim
+    out = {}
+    for product in a:
+        a_p, b_p = a[product], b[product]
+        n, r = a_p.shape[0], b_p.shape[-1]
+        if product == "qkv_proj":
+            q_rows, kv_rows = config.num_heads * d, config.num_kv_heads * d
+            parts = [b_p[:, :q_rows], b_p[:, q_rows : q_rows + kv_rows], b_p[:, q_rows + kv_rows :]]
+            heads = [_pad_heads(x.reshape(n, -1, d, r), 1, kv, group, kp) for x, group in zip(parts, (g, 1, 1))]
+            b_p = _fuse_per_shard(*heads, axis=1, tp=tp).reshape(n, -1, r)
+        elif product == "gate_up_proj":
+            f = config.intermediate_size
+            b_p = _fuse_per_shard(_pad(b_p[:, :f], 1, layout.intermediate_size),
+                                  _pad(b_p[:, f:], 1, layout.intermediate_size), axis=1, tp=tp)
+        elif product == "o_proj":
+            a_p = _pad_heads(a_p.reshape(n, a_p.shape[1], -1, d), 2, kv, g, kp).reshape(n, a_p.shape[1], -1)
+        elif product == "down_proj":
+            a_p = _pad(a_p, 2, layout.intermediate_size)
+        out[product] = {"a": np.ascontiguousarray(a_p), "b": np.ascontiguousarray(b_p)}
+    return out
 
 
 def to_host(a, dtype) -> np.ndarray:
@@ -293,7 +337,8 @@ def check_family_table(config: ModelConfig, params: dict) -> None:
 
 
 def forward_paged_sharded(params: dict, layout: TPLayout, kv_cache: tuple, batch, *, mesh,
-                          attention_backend: str, interpret: bool = False, scan_layers: bool = False):
+                          attention_backend: str, interpret: bool = False, scan_layers: bool = False,
+                          lora_method: str = "masked"):
     """models/llama.forward_paged under shard_map over "model": every device runs its own heads
     (attention, whichever backend, on its local heads and its local KV-cache shard) and its MLP
     slice; returns the sharded cache and the full logits [L, v padded], replicated."""
@@ -303,7 +348,8 @@ def forward_paged_sharded(params: dict, layout: TPLayout, kv_cache: tuple, batch
 
     def local(p, cache, b):
         return forward_paged(p, layout.local, cache, b, attention_backend=attention_backend,
-                             interpret=interpret, tp_axis=MODEL_AXIS, scan_layers=scan_layers)
+                             interpret=interpret, tp_axis=MODEL_AXIS, scan_layers=scan_layers,
+                             lora_method=lora_method)
 
     mapped = jax.shard_map(local, mesh=mesh, in_specs=(param_specs(params, layout.local), cache_specs, P()),
                            out_specs=(cache_specs, P()), check_vma=False)

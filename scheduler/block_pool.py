@@ -32,6 +32,15 @@ NULL_BLOCK_ID = 0
 ROOT_BLOCK_HASH = random.SystemRandom().getrandbits(62)
 
 
+def root_hash(lora_id: int = 0) -> int:
+    """The parent hash of a sequence's first block: ROOT_BLOCK_HASH for the base model, one of
+    its own per LoRA adapter load (Request.lora_id), so the same tokens under two adapters, or
+    under an adapter and the base model, never share a block (their K/V differ)."""
+    if not lora_id:
+        return ROOT_BLOCK_HASH
+    return hash((ROOT_BLOCK_HASH, "lora", lora_id))
+
+
 def hash_block_tokens(parent_hash: int, token_ids: Sequence[int]) -> int:
     """The prefix-cache key of one full block, chained on its parent's key."""
     return hash((parent_hash, tuple(token_ids)))

@@ -45,6 +45,9 @@ class SchedulerConfig:
     # prompt-scoring requests (Request.prompt_logprobs, one row per prompt position) come near it.
     # None: no cap beyond the token budget.
     max_num_logits: int | None = None
+    # LoRA: most distinct adapters (Request.lora_id != 0) among the running requests (the runner's
+    # device slots); 0 = adapters off, a request with one is refused.
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         _check_positive_int("max_num_seqs", self.max_num_seqs)
@@ -52,6 +55,8 @@ class SchedulerConfig:
         _check_positive_int("max_model_len", self.max_model_len, minimum=2)
         _check_positive_int("block_size", self.block_size)
         _check_positive_int("num_blocks", self.num_blocks, minimum=2)
+        if isinstance(self.max_loras, bool) or not isinstance(self.max_loras, int) or self.max_loras < 0:
+            raise ValueError(f"SchedulerConfig.max_loras must be an integer >= 0, got {self.max_loras!r}")
         if self.max_seqs_per_group is not None:
             _check_positive_int("max_seqs_per_group", self.max_seqs_per_group)
         for name in ("enable_prefix_caching", "enable_chunked_prefill"):

@@ -40,7 +40,7 @@ class KVCacheManager:
         num_full = request.num_tokens // bs
         if len(hashes) >= num_full:
             return
-        parent = hashes[-1] if hashes else block_pool.ROOT_BLOCK_HASH  # read at each use: see block_pool
+        parent = hashes[-1] if hashes else block_pool.root_hash(request.lora_id)  # read at each use: see block_pool
         for i in range(len(hashes), num_full):
             parent = hash_block_tokens(parent, request.token_slice(i * bs, (i + 1) * bs))
             hashes.append(parent)

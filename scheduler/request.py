@@ -51,6 +51,7 @@ class Request:
         "group_id",
         "spec_token_ids",
         "prompt_logprobs",
+        "lora_id",
         "_admitted",
     )
 
@@ -67,6 +68,7 @@ class Request:
         sampling: object = None,
         group_id: str | None = None,
         prompt_logprobs: bool = False,
+        lora_id: int = 0,
     ) -> None:
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ValueError(f"Request.max_tokens must be a positive integer, got {max_tokens!r}")
@@ -103,6 +105,12 @@ class Request:
         # is computed the request skips the prefix cache, and each prompt chunk samples at all of
         # its positions (ScheduledRequest.num_prompt_logits); update() clears it then.
         self.prompt_logprobs = bool(prompt_logprobs)
+        # The LoRA adapter it runs with (the engine's key of one adapter load, engine/lora/), 0 =
+        # the base model: its prefix-cache hashes start from its own root (block_pool.root_hash),
+        # and at most SchedulerConfig.max_loras distinct ones run at once (lora_seats.py).
+        if isinstance(lora_id, bool) or not isinstance(lora_id, int) or lora_id < 0:
+            raise ValueError(f"Request.lora_id must be an integer >= 0, got {lora_id!r}")
+        self.lora_id = lora_id
         self._admitted = False
 
     @property

@@ -37,6 +37,7 @@ from scheduler.budget import clamp_drafts, fit_logits
 from scheduler.config import SchedulerConfig
 from scheduler.fairness import GroupSeats
 from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.lora_seats import LoRASeats
 from scheduler.outputs import NewRequestData, ScheduledRequest, SchedulerOutput, StepResult
 from scheduler.queues import FCFSQueue, PriorityQueue
 from scheduler.request import FinishReason, Request, RequestStatus
@@ -68,6 +69,7 @@ class Scheduler(SchedulerObservability):
         self.running: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}  # live: waiting or running
         self.group_seats = GroupSeats(config.max_seqs_per_group)  # fairness (fairness.py)
+        self.lora_seats = LoRASeats(config.max_loras)  # distinct adapters running (lora_seats.py)
         self.num_preemptions = 0
         self.admissions_held = False  # True: schedule() admits nothing (running requests go on)
         self._num_steps = 0
@@ -91,6 +93,11 @@ class Scheduler(SchedulerObservability):
             )
         if rid in self.requests:
             raise ValueError(f"request {rid!r}: a live request already has this req_id")
+        if request.lora_id and not self.config.max_loras:
+            raise ValueError(f"request {rid!r}: it has a LoRA adapter (lora_id {request.lora_id}), "
+                             "but SchedulerConfig.max_loras is 0 (adapters off)")
+        if request.lora_id and self.config.policy == "static":
+            raise ValueError(f"request {rid!r}: LoRA adapters do not run under policy 'static'")
         # Output tokens are allowed before the first admission: a request whose prompt ran in
         # another engine (prefill/decode disaggregation) starts with its first token.
         if request.status is not RequestStatus.WAITING or request._admitted or request.num_computed_tokens:
@@ -116,6 +123,7 @@ class Scheduler(SchedulerObservability):
         if request.status is RUNNING:
             del self.running[req_id]
             self.group_seats.leave(request)
+            self.lora_seats.leave(request)
             self.kv_cache_manager.free(request)
         else:
             self.waiting.remove(request)
@@ -231,6 +239,13 @@ class Scheduler(SchedulerObservability):
         block_size = config.block_size
         while self.waiting and plan.budget > 0:
             request = self.group_seats.pick(self.waiting.peek(), self.waiting)
+            if not self.lora_seats.can_run(request):
+                # Its adapter needs a device slot and every one is held by running requests: it
+                # waits, the first request behind it that can run goes (nobody is blocked).
+                runnable = [r for r in self.waiting if self.lora_seats.can_run(r)]
+                if not runnable:
+                    return
+                request = next((r for r in runnable if self.group_seats.under_cap(r)), runnable[0])
             if request.req_id in plan.preempted:
                 return  # preempted in this step: it must not be scheduled in it
             # takes no references yet; a prompt to score is computed whole
@@ -276,6 +291,7 @@ class Scheduler(SchedulerObservability):
         request.num_computed_tokens = num_computed
         request.status = RUNNING
         self.group_seats.join(request)
+        self.lora_seats.join(request)
         if not request._admitted:
             request._admitted = True
             request.num_cached_tokens = num_computed
@@ -337,6 +353,7 @@ class Scheduler(SchedulerObservability):
     def _preempt(self, victim: Request, plan: _StepPlan) -> None:
         del self.running[victim.req_id]
         self.group_seats.leave(victim)
+        self.lora_seats.leave(victim)
         self.kv_cache_manager.free(victim)
         # Hash every full block now, so the resumed request finds its cached prefix.
         self.kv_cache_manager.update_block_hashes(victim)

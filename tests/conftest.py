@@ -78,6 +78,7 @@ UNIT_SECONDS = {
     "tests/models/test_paged_equals_dense.py": 16, "tests/engine/test_tensor_parallel.py": 15,
     "tests/entrypoints/test_server_tiny.py": 12, "tests/engine/test_spec_decode_head.py": 45,
     "tests/experiments/test_speculative_report.py": 15,
+    "tests/engine/test_lora.py": 22, "tests/engine/test_lora_tp.py": 12,
 }
 
 

@@ -42,7 +42,7 @@ WHY = {"scheduler": "scheduler is stdlib only", "text": "text has no jax", "entr
 # configs, SamplingParams, outputs, errors, RowParams, metrics); "engine.__init__" is the public
 # API (`from engine import LLM, ...`), on top of everything it re-exports.
 _VOCABULARY = {"engine"}
-_FEATURES = _VOCABULARY | {"engine.spec_decode", "engine.structured_output"}
+_FEATURES = _VOCABULARY | {"engine.spec_decode", "engine.structured_output", "engine.lora"}
 _STEP = _FEATURES | {"engine.step"}
 _CORE = _STEP | {"engine.core"}
 _DISAGGREGATION = _CORE | {"engine.disaggregation"}
@@ -51,6 +51,7 @@ WINGS = {
     "engine": set(),
     "engine.spec_decode": _VOCABULARY,
     "engine.structured_output": _VOCABULARY,
+    "engine.lora": _VOCABULARY,
     "engine.step": _FEATURES,
     "engine.core": _STEP,
     "engine.disaggregation": _CORE,

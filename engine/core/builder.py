@@ -40,6 +40,7 @@ class EngineParts:
     compile_seconds: float = 0.0
     proposer: object = None  # speculative decoding's proposer when it needs parts (a draft model)
     placement: object = None  # engine/step/placement.Placement on a mesh; None: one device
+    lora_manager: object = None  # engine/lora/manager.LoRAManager with enable_lora; None: off
 
 
 def default_placement(config: EngineConfig):
@@ -59,7 +60,8 @@ def scheduler_config_for(config: EngineConfig, *, max_model_len: int, num_blocks
         enable_chunked_prefill=config.enable_chunked_prefill, policy=config.policy,
         kv_allocation=config.kv_allocation, max_num_logits=max_logit_rows(config),
         max_seqs_per_group=(None if config.max_request_share >= 1
-                            else max(1, int(config.max_request_share * config.max_num_seqs))))
+                            else max(1, int(config.max_request_share * config.max_num_seqs))),
+        max_loras=config.max_loras if config.enable_lora else 0)
 
 
 def load_for_mesh(config: EngineConfig, *, progress: bool = True):
@@ -139,12 +141,25 @@ def build_parts(config: EngineConfig, *, progress: bool = True, mesh=None, loade
                             dtype=dtype, attention_backend=backend, layer_loop=layer_loop,
                             tensor_parallel_size=config.tensor_parallel_size, shapes=shapes)
         executables = load_executables(config.load_executables, expected, devices)
+    lora_manager, lora_slots, lora_method = None, None, "masked"
+    if config.enable_lora:
+        from engine.lora.manager import LoRAManager
+        from engine.lora.slots import LoRASlots
+        from models.lora import LORA_PRODUCT
+
+        # The adapters named at start-up are read (and checked) before anything compiles.
+        lora_manager = LoRAManager(loaded.config, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
+                                   max_cpu_loras=config.max_cpu_loras, lora_modules=config.lora_modules)
+        lora_slots = LoRASlots(loaded.config, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
+                               dtype=dtype, placement=placement)
+        lora_method = config.lora_product or LORA_PRODUCT.get(platform, "ragged")
     start = time.perf_counter()
     runner = ModelRunner(loaded.config, params, shapes, dtype=dtype, attention_backend=backend,
                          interpret=config.interpret, layer_loop=layer_loop,
                          precompile=config.precompile,
                          background_compile=config.background_compile, progress=progress, placement=placement,
-                         keep_hidden=keep_hidden or head is not None, executables=executables)
+                         keep_hidden=keep_hidden or head is not None, executables=executables,
+                         lora=lora_slots, lora_method=lora_method)
     proposer = None
     if spec is not None and spec.method == "draft_model":
         proposer = build_draft_proposer(config, shapes, loaded, dtype=dtype, backend=backend,
@@ -162,7 +177,7 @@ def build_parts(config: EngineConfig, *, progress: bool = True, mesh=None, loade
         max_model_len=max_model_len, model_name=_model_name(config.model, loaded.config.name),
         model_config=loaded.config, dtype=dtype, attention_backend=backend,
         load_seconds=load_seconds, compile_seconds=time.perf_counter() - start, proposer=proposer,
-        placement=placement)
+        placement=placement, lora_manager=lora_manager)
 
 
 def build_draft_proposer(config: EngineConfig, shapes: RunnerShapes, target, *, dtype: str,

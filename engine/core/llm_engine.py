@@ -84,6 +84,7 @@ class LLMEngine:
         self.load_seconds = parts.load_seconds
         self.compile_seconds = parts.compile_seconds
         self.placement = parts.placement
+        self.lora_manager = parts.lora_manager  # engine/lora/manager.py; None without enable_lora
         self._device_bytes = device_bytes(parts.runner, parts.placement)
         self.dead_reason: str | None = None
         self._num_blocks = parts.scheduler.config.num_blocks  # the cache the runner allocated
@@ -169,7 +170,7 @@ class LLMEngine:
                         arrival_time: float | None = None, *, add_special_tokens: bool = True,
                         priority: int = 0, prompt_text: str | None = None,
                         group_id: str | None = None, grammar=None, base_seed: int | None = None,
-                        resume: Resume | None = None) -> RequestState:
+                        resume: Resume | None = None, lora_request=None) -> RequestState:
         """Validates a request and builds its state without touching the scheduler (so while another
         thread steps this engine: engine/disaggregation/pd_engine.py); `submit` queues it.
         `group_id` ties the prompts of one client request together for the fairness cap
@@ -179,8 +180,11 @@ class LLMEngine:
         sampling seed of an unseeded request (default: the engine's counter). `resume`: the prompt
         ran elsewhere (the prefill pool, engine/disaggregation/pd_engine.py): each sequence starts
         with its first token, and the prompt's KV is expected in the prefix cache; or with every
-        token a lost decode pool had made, recomputed here (PDEngine's degraded mode)."""
+        token a lost decode pool had made, recomputed here (PDEngine's degraded mode). `lora_request`:
+        the LoRA adapter to run with (an engine.LoRARequest, the name of a loaded adapter, or a
+        LoadedAdapter its manager resolved on another thread); None: the base model."""
         self._check_alive()
+        adapter = self._resolve_lora(lora_request)
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -222,12 +226,14 @@ class LLMEngine:
                             params.presence_penalty, params.frequency_penalty,
                             params.repetition_penalty, seed, params.logprobs is not None, bias=bias,
                             grammar=grammar.new_state() if grammar is not None else None,
-                            banned=BadWordsState(bad_sequences) if bad_sequences else None)
+                            banned=BadWordsState(bad_sequences) if bad_sequences else None,
+                            lora=adapter)
             sched_req = Request(seq_id, ids, max_tokens, eos_token_id=None if params.ignore_eos
                                 else self.tokenizer.eos_token_id, stop_token_ids=stop_ids,
                                 ignore_eos=params.ignore_eos, priority=priority, arrival_time=arrival,
                                 sampling=row, group_id=group_id or request_id,
-                                prompt_logprobs=params.prompt_logprobs is not None and i == 0 and not resume)
+                                prompt_logprobs=params.prompt_logprobs is not None and i == 0 and not resume,
+                                lora_id=adapter.key if adapter is not None else 0)
             seq = SequenceState(seq_id, i, state, sched_req, row, self.tokenizer)
             state.seqs.append(seq)
         if resume is not None:
@@ -236,6 +242,22 @@ class LLMEngine:
                 if seq.resume_from(first, resume.first_token_time) is None:
                     self._advance_mask_state(seq, list(first.token_ids), {})
         return state
+
+    def _resolve_lora(self, lora_request):
+        """The LoadedAdapter a request runs with (engine/lora/manager.py), None for the base."""
+        if lora_request is None:
+            return None
+        if self.lora_manager is None:
+            raise ParamError("lora_request", "lora_request: this engine serves no LoRA adapters "
+                             "(start it with enable_lora=True)")
+        from engine.lora.manager import LoadedAdapter
+
+        if isinstance(lora_request, LoadedAdapter):
+            return lora_request
+        try:
+            return self.lora_manager.resolve(lora_request)
+        except ValueError as exc:  # a LoRAError names the file, tensor or field
+            raise ParamError("lora_request", f"lora_request: {exc}") from None
 
     def submit(self, state: RequestState) -> None:
         """Queues a prepared request (only between steps)."""

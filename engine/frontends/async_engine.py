@@ -138,7 +138,8 @@ class AsyncLLMEngine:
         return len(self._trackers)
 
     async def add_request(self, stream: RequestStream, request_id: str, prompt: str | list[int],
-                          params: SamplingParams, *, group_id: str | None = None, grammar=None) -> None:
+                          params: SamplingParams, *, group_id: str | None = None, grammar=None,
+                          lora_request=None) -> None:
         """Hands one request to the engine; its outputs go to `stream`. `group_id` ties the
         prompts of one client request together (the engine's fairness cap); `grammar` is its
         structured output grammar, compiled on the caller's thread. Raises the engine's
@@ -154,7 +155,7 @@ class AsyncLLMEngine:
         self._trackers[request_id] = _Tracker(stream=stream, arrival=arrival)
         with self._lock:
             self._num_pending += params.n
-        self._commands.put(AddCommand(request_id, prompt, params, arrival, future, group_id, grammar))
+        self._commands.put(AddCommand(request_id, prompt, params, arrival, future, group_id, grammar, lora_request))
         try:
             await asyncio.wrap_future(future)
         except BaseException:
@@ -316,6 +317,8 @@ class AsyncLLMEngine:
             return  # the handler gave up waiting (client gone)
         try:
             extra = {"grammar": command.grammar} if command.grammar is not None else {}
+            if command.lora_request is not None:
+                extra["lora_request"] = command.lora_request
             self.engine.add_request(command.request_id, command.prompt, command.params,
                                     arrival_time=command.arrival_time, group_id=command.group_id, **extra)
         except Exception as exc:  # noqa: BLE001 - goes back to the handler

@@ -29,12 +29,14 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request=None) -> list[RequestOutput]:
+        """lora_request: one engine.LoRARequest for every prompt, or a list with one (or None)
+        per prompt; needs LLM(..., enable_lora=True)."""
         prompts = _normalize_prompts(prompts)
-        return self._run([(p, True, None) for p in prompts], sampling_params, use_tqdm)
+        return self._run([(p, True, None) for p in prompts], sampling_params, use_tqdm, lora_request)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, lora_request=None) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} dicts) or a list of conversations."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages: must be a non-empty list of messages or of conversations")
@@ -44,9 +46,9 @@ class LLM:
             text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
             # The template already wrote any BOS it wants, so no special tokens are added again.
             items.append((self.engine.tokenize(text, add_special_tokens=False), False, text))
-        return self._run(items, sampling_params, use_tqdm)
+        return self._run(items, sampling_params, use_tqdm, lora_request)
 
-    def _run(self, items, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, items, sampling_params, use_tqdm: bool, lora_request=None) -> list[RequestOutput]:
         if sampling_params is None:
             params = [SamplingParams()] * len(items)
         elif isinstance(sampling_params, SamplingParams):
@@ -60,13 +62,22 @@ class LLM:
                 raise ValueError(f"sampling_params: expected SamplingParams, got {type(p).__name__}")
         for prompt, add_special, _ in items:  # validate everything before queueing anything
             self.engine.tokenize(prompt, add_special)
+        if isinstance(lora_request, list | tuple):
+            loras = list(lora_request)
+            if len(loras) != len(items):
+                raise ValueError(f"lora_request: {len(loras)} given for {len(items)} prompts")
+        else:
+            loras = [lora_request] * len(items)
+        manager = getattr(self.engine, "lora_manager", None)
+        if manager is not None:  # load (and check) every adapter before queueing anything
+            loras = [None if r is None else manager.resolve(r) for r in loras]
         grammars = self._compile_grammars(params)
         ids = []
         try:
-            for (prompt, add_special, text), p, grammar in zip(items, params, grammars):
+            for (prompt, add_special, text), p, grammar, lora in zip(items, params, grammars, loras):
                 rid = f"offline-{next(self._ids)}"
                 self.engine.add_request(rid, prompt, p, add_special_tokens=add_special, prompt_text=text,
-                                        grammar=grammar)
+                                        grammar=grammar, **({"lora_request": lora} if lora is not None else {}))
                 ids.append(rid)
         except ValueError:
             for rid in ids:

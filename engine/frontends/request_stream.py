@@ -45,6 +45,7 @@ class AddCommand:
     future: concurrent.futures.Future
     group_id: str | None = None
     grammar: object = None  # a CompiledGrammar built on the caller's thread (structured output)
+    lora_request: object = None  # the LoRA adapter (a LoadedAdapter resolved on the caller's thread)
 
     @property
     def num_seqs(self) -> int:

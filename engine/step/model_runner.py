@@ -66,7 +66,10 @@ class ModelRunner:
                  attention_backend: str, interpret: bool = False, layer_loop: str = "unrolled",
                  precompile: bool = True, progress: bool = True, placement: Placement | None = None,
                  background_compile: bool = False, keep_hidden: bool = False,
-                 executables: dict | None = None):
+                 executables: dict | None = None, lora=None, lora_method: str = "masked"):
+        """lora: engine/lora/slots.LoRASlots, the adapters' device slots (their buffers join the
+        served weights as params["lora"]; the step's products per token use `lora_method`,
+        models/lora.py); None: no adapters."""
         self.model_config = model_config
         self.layer_loop = layer_loop  # engine/config.py LAYER_LOOPS
         self.shapes = shapes
@@ -88,13 +91,16 @@ class ModelRunner:
             self.params = params
             self.kv_cache = allocate_kv_cache(placement.layout.padded, shapes.num_blocks, shapes.block_size,
                                               dtype, bits=bits, sharding=placement.kv_sharding)
+        self.lora = lora
+        if lora is not None:
+            self.params = {**self.params, "lora": lora.buffers}
         self.table = RequestTable(shapes.max_num_seqs, shapes.sample_vocab_size,
                                   sharding=None if placement is None else placement.replicated)
         self.builder = BatchBuilder(max_blocks_per_seq=shapes.max_blocks_per_seq,
                                     block_size=shapes.block_size, vocab_size=shapes.sample_vocab_size)
         self._step = make_step(model_config, shapes, attention_backend=attention_backend,
                                interpret=interpret, layer_loop=layer_loop, placement=placement,
-                               keep_hidden=keep_hidden)
+                               keep_hidden=keep_hidden, lora_method=lora_method)
         # keep_hidden (a draft head reads it, engine/spec_decode/draft_head.py): after each step,
         # `hidden` is the target's final hidden state at its logit rows (float32 [max L, e], on the
         # device, padded to the most logit rows of any bucket so its shape never changes) and `hidden_rows`
@@ -253,13 +259,18 @@ class ModelRunner:
         prof = self.profile
         t0 = time.perf_counter() if prof is not None else 0.0
         self.table.apply(out)
+        lora_slot_of = None
+        if self.lora is not None:
+            self.lora.apply(out)  # slots of the requests that joined, written if not resident
+            self.params["lora"] = self.lora.buffers
+            lora_slot_of = self.lora.slot_of_req
         self.hidden_rows = {}
         if out.is_empty:
             return StepResult([], [])
         num_logits = sum(sr.num_logits for sr in out.scheduled)
         ready = None if self._compile_thread is None or self.all_compiled else self._compiled.__contains__
         bucket = self.shapes.bucket_for(out.num_batched_tokens, len(out.scheduled), num_logits, ready=ready)
-        built = self.builder.build(out, self._layout(bucket), self.table)
+        built = self.builder.build(out, self._layout(bucket), self.table, lora_slot_of)
         executable = self._executable(bucket)
         if prof is not None:
             t1 = time.perf_counter()

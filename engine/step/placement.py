@@ -64,10 +64,10 @@ class Placement:
         host = shard_params_host(params, config, self.layout, dtype=dtype, stack=layer_loop == "stacked")
         return place_params(host, self.mesh, config)
 
-    def forward(self, *, attention_backend: str, interpret: bool, layer_loop: str):
+    def forward(self, *, attention_backend: str, interpret: bool, layer_loop: str, lora_method: str = "masked"):
         """(params, kv_cache, inputs) -> (kv_cache, logits [L, v]) for the compiled step."""
         kwargs = dict(attention_backend=attention_backend, interpret=interpret,
-                      scan_layers=layer_loop != "unrolled")
+                      scan_layers=layer_loop != "unrolled", lora_method=lora_method)
         if self.tp == 1:
             return functools.partial(_forward_single, config=self.layout.local, **kwargs)
         return functools.partial(_forward_tp, layout=self.layout, mesh=self.mesh, **kwargs)

@@ -58,18 +58,18 @@ def _forward_plain(params, kv_cache, inputs, *, config, **kwargs):
 
 
 def make_step(config: ModelConfig, shapes: RunnerShapes, *, attention_backend: str, interpret: bool,
-              layer_loop: str, placement: Placement | None, keep_hidden: bool):
+              layer_loop: str, placement: Placement | None, keep_hidden: bool, lora_method: str = "masked"):
     """The step (params, kv_cache, table, flat, token_mask, *, layout) -> (kv_cache, table,
     packed[, hidden]) for one model on one device (placement None) or a mesh."""
     if placement is None:
         forward = functools.partial(_forward_plain, config=config, attention_backend=attention_backend,
                                     interpret=interpret, scan_layers=layer_loop != "unrolled",
-                                    return_hidden=keep_hidden)
+                                    return_hidden=keep_hidden, lora_method=lora_method)
     else:
         if keep_hidden:
             raise ValueError("ModelRunner(keep_hidden=True) runs on one device (no placement)")
         forward = placement.forward(attention_backend=attention_backend, interpret=interpret,
-                                    layer_loop=layer_loop)
+                                    layer_loop=layer_loop, lora_method=lora_method)
     hidden_rows = shapes.max_logits if keep_hidden else 0
     return functools.partial(_step, forward=forward, num_logprobs=shapes.num_logprobs,
                              sample_vocab_size=shapes.sample_vocab_size,

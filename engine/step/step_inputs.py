@@ -35,6 +35,7 @@ class StepInputs:
     seq_lens: jax.Array  # int32[S] KV length after this step; 0 for padded rows
     block_tables: jax.Array  # int32[S, max_blocks_per_seq] block ids; 0 (null block) past the end
     num_seqs: jax.Array  # int32[] number of real rows
+    lora_slots: jax.Array  # int32[T] LoRA adapter slot of each token's row (engine/lora/); 0 = none, padding
     # -- sampling: one logit row per sampled position (a row's last num_logits tokens) --
     logits_indices: jax.Array  # int32[L] token index of each logit row; 0 for padding
     logits_slots: jax.Array  # int32[L] request-table slot of the row's request; R for padding
@@ -78,6 +79,7 @@ class StepLayout:
         shapes = {
             "input_ids": (t,), "positions": (t,), "slot_mapping": (t,), "query_start_loc": (s + 1,),
             "seq_lens": (s,), "block_tables": (s, max_blocks_per_seq), "num_seqs": (),
+            "lora_slots": (t,),
             "logits_indices": (lg,), "logits_slots": (lg,), "logits_steps": (lg,), "logits_targets": (lg,), "flags": (6,),
             "join_slots": (s,), **{name: (s,) for name in _DTYPES},
             "mask_index": (lg,),
@@ -143,7 +145,10 @@ class BatchBuilder:
             self._layouts[key] = StepLayout(*key, self.max_blocks_per_seq, self.mask_words)
         return self._layouts[key]
 
-    def build(self, out: SchedulerOutput, layout: StepLayout, table: RequestTable) -> BuiltStep:
+    def build(self, out: SchedulerOutput, layout: StepLayout, table: RequestTable,
+              lora_slot_of: dict[str, int] | None = None) -> BuiltStep:
+        """lora_slot_of: req_id -> its adapter's device slot (engine/lora/slots.py); rows absent
+        from it, and every row without one, run the base model (slot 0)."""
         v = layout.views
         scheduled = out.scheduled
         num_seqs = len(scheduled)
@@ -179,6 +184,9 @@ class BatchBuilder:
         v["query_start_loc"][num_seqs + 1 :] = num_tokens
         v["seq_lens"][:num_seqs] = starts + q_lens
         v["num_seqs"][...] = num_seqs
+        if lora_slot_of:
+            row_lora = np.fromiter((lora_slot_of.get(sr.req_id, 0) for sr in scheduled), np.int32, num_seqs)
+            v["lora_slots"][:num_tokens] = row_lora[row_of_token]
         # Logit rows: the last num_logits tokens of each row, in row order.
         logit_row = np.repeat(np.arange(num_seqs, dtype=np.int32), row_logits)
         within = np.arange(num_logits, dtype=np.int32) - np.repeat(np.cumsum(row_logits) - row_logits, row_logits)

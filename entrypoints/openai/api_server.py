@@ -61,6 +61,7 @@ from engine.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from engine.metrics import ServerMetrics
 from entrypoints.openai.errors import ProtocolError
 from entrypoints.openai.http_guard import GuardedAppRunner
+from entrypoints.openai.lora_routes import LoRARoutes, ModelNames
 from entrypoints.openai.prepare import Job, Preparer, detokenize_body, tokenize_body, vocab_size_of
 from entrypoints.openai.protocol import RequestLimits
 from entrypoints.openai.response_writers import ResponseWriter
@@ -99,7 +100,8 @@ class OpenAIServer:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.model_name = config.served_model_name or engine.model_name
-        self.served_names = tuple(dict.fromkeys((self.model_name, engine.model_name)))
+        lora_manager = getattr(engine, "lora_manager", None)  # engine/lora/manager.py; None: no adapters
+        self.served_names = ModelNames(tuple(dict.fromkeys((self.model_name, engine.model_name))), lora_manager)
         self.preparer = Preparer(
             tokenizer=engine.tokenizer, max_model_len=engine.max_model_len, vocab_size=vocab_size_of(engine),
             max_logprobs=getattr(getattr(engine, "config", None), "max_logprobs", None),
@@ -116,6 +118,7 @@ class OpenAIServer:
         self.draining = False
         self.num_in_flight = 0
         self._pool = concurrent.futures.ThreadPoolExecutor(config.num_prepare_threads, thread_name_prefix="prepare")
+        self.lora = LoRARoutes(lora_manager, self.served_names, self._pool, parent=self.model_name)
 
     def build_app(self) -> web.Application:
         app = web.Application(middlewares=[self._middleware], client_max_size=self.max_body_bytes)
@@ -126,6 +129,7 @@ class OpenAIServer:
         app.router.add_post("/v1/chat/completions", self._chat_completions)
         app.router.add_post("/tokenize", self._tokenize)
         app.router.add_post("/detokenize", self._detokenize)
+        self.lora.add_routes(app)
         return app
 
     def make_runner(self, app: web.Application | None = None) -> web.AppRunner:
@@ -204,7 +208,8 @@ class OpenAIServer:
 
     async def _models(self, request: web.Request) -> web.Response:
         data = [{"id": name, "object": "model", "created": self.created, "owned_by": "jaxserve",
-                 "max_model_len": self.max_model_len} for name in self.served_names]
+                 "max_model_len": self.max_model_len} for name in self.served_names.base]
+        data += self.lora.model_cards(self.created, self.max_model_len)
         return web.json_response({"object": "list", "data": data})
 
     # ---- reading the body; preparing it runs on the worker threads (prepare.py) ----------------------------------------------------
@@ -255,11 +260,13 @@ class OpenAIServer:
         if self.async_engine.queue_is_full(job.num_seqs):
             raise ProtocolError("The server is overloaded (the waiting queue is full); retry later",
                                 status=503, type="server_error", code="queue_full", headers={"Retry-After": "1"})
+        adapter = await self.lora.adapter_for(job.model)  # model=<LoRA adapter name>
         stream = self.async_engine.new_stream()
         try:
             for i, ids in enumerate(job.prompt_ids):
                 await self.async_engine.add_request(stream, f"{job.response_id}-{i}", ids, job.params,
-                                                    group_id=job.response_id, grammar=job.grammar)
+                                                    group_id=job.response_id, grammar=job.grammar,
+                                                    lora_request=adapter)
             if job.stream:
                 return await self.writer.stream_response(request, job, stream)
             return await self.writer.whole_response(job, stream)

@@ -118,6 +118,8 @@ def engine_config_from_flags() -> EngineConfig:
             except ValueError:
                 raise app.UsageError(f"--{name} must be a JSON object, e.g. "
                                      '\'{"method": "ngram", "num_speculative_tokens": 3}\'') from None
+        elif name == "lora_modules" and value is not None:
+            value = tuple(value)  # "name=path" strings (checked by EngineConfig)
         elif typing.get_origin(hint) is tuple and value is not None:
             try:
                 value = tuple(int(v) for v in value)

@@ -206,6 +206,22 @@ def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: st
     max_blocks_per_seq = -(-max_model_len // bs)
 
     params, replicated, kv_sharding, kv_config = _abstract_params(model, dtype, layer_loop, placement, devices[0])
+    lora_method = "masked"
+    if config.enable_lora:  # the adapter slots join the served weights (engine/lora/slots.py)
+        from models.lora import LORA_PRODUCT, allocate_lora_buffers
+        from models.sharding import MODEL_AXIS, lora_partition_specs
+
+        lora_method = config.lora_product or LORA_PRODUCT[platform]
+        lora = jax.eval_shape(lambda: allocate_lora_buffers(
+            model if placement is None else placement.layout.padded, config.max_loras + 1,
+            config.max_lora_rank, jax.numpy.dtype(dtype)))
+        if placement is None:
+            lora_shardings = jax.tree.map(lambda _: SingleDeviceSharding(devices[0]), lora)
+        else:
+            lora_shardings = jax.tree.map(lambda s: NamedSharding(placement.mesh, s),
+                                          lora_partition_specs(lora, MODEL_AXIS),
+                                          is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+        params = {**params, "lora": _with_sharding(lora, lora_shardings)}
     weights = tree_bytes_per_device(params)
     per_block = bytes_per_block(kv_config, bs, dtype) // tp
     if config.num_kv_blocks is not None:
@@ -227,7 +243,7 @@ def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: st
     state = (params, (kv_leaf, kv_leaf), table)
     keep_hidden = drafting == "draft_head"
     step = make_step(model, shapes, attention_backend=backend, interpret=False,
-                     layer_loop=layer_loop, placement=placement, keep_hidden=keep_hidden)
+                     layer_loop=layer_loop, placement=placement, keep_hidden=keep_hidden, lora_method=lora_method)
     cost_model = _LayerCost(model, shapes, backend, dtype, placement_for, devices[0]) \
         if roofline and platform == "tpu" and layer_loop != "unrolled" else None
     # Without the unrolled compiles a scanned program's own cost holds one layer: none reported.
