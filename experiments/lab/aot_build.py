@@ -244,8 +244,9 @@ def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: st
     keep_hidden = drafting == "draft_head"
     step = make_step(model, shapes, attention_backend=backend, interpret=False,
                      layer_loop=layer_loop, placement=placement, keep_hidden=keep_hidden, lora_method=lora_method)
+    # (The unrolled variants carry no adapter slots: with LoRA no roofline is reported.)
     cost_model = _LayerCost(model, shapes, backend, dtype, placement_for, devices[0]) \
-        if roofline and platform == "tpu" and layer_loop != "unrolled" else None
+        if roofline and platform == "tpu" and layer_loop != "unrolled" and not config.enable_lora else None
     # Without the unrolled compiles a scanned program's own cost holds one layer: none reported.
     results = _compile_buckets(step, shapes, shapes.all_buckets(), state, replicated, layer_loop=layer_loop,
                                num_layers=model.num_layers, peak=peak, bandwidth=bandwidth,
