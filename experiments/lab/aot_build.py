@@ -348,8 +348,7 @@ class _LayerCost:
     """FLOPs and bytes of a step over all its layers. XLA's cost analysis counts a while loop's
     body once, whatever its trip count, so the scanned step's own figures hold one layer: the
     step is compiled again unrolled with p and 2p layers (p: the layer pattern's period) and the
-    difference, one period's cost, is extrapolated to the model's layer count. The attention
-    kernels' reads of the KV cache are not in the figures (see below)."""
+    difference, one period's cost, is extrapolated to the model's layer count."""
 
     def __init__(self, model, shapes, backend, dtype, placement_for, device):
         self.period = model.layer_period
@@ -360,11 +359,9 @@ class _LayerCost:
                                         layer_types=model.layer_types[:n] if model.layer_types else None)
             placement = placement_for(small)
             params, replicated, kv_sharding, kv_config = _abstract_params(small, dtype, "unrolled", placement, device)
-            # Two blocks: the cost analysis charges a custom call (the Pallas kernels) every byte
-            # of its operands, the whole cache, once per layer; a real step reads only its rows'
-            # pages. With a minimal cache the figures hold the weights and XLA's own traffic, and
-            # the attention's KV reads are left out (experiments.capacity's rate counts them).
-            kv = _kv_leaf(kv_config, 2, shapes.block_size, dtype, backend, kv_sharding)
+            # The real cache: XLA's cost analysis charges a Pallas call by its own cost estimate and
+            # operands, so the figures are what it says of the unrolled program (tested against one).
+            kv = _kv_leaf(kv_config, shapes.num_blocks, shapes.block_size, dtype, backend, kv_sharding)
             table = table_state_spec(shapes)
             table = _with_sharding(table, jax.tree.map(lambda _, r=replicated: r, table))
             step = make_step(small, shapes, attention_backend=backend, interpret=False, layer_loop="unrolled",
