@@ -43,6 +43,7 @@ from engine.step.program import lower_bucket, make_step, serve_layout
 from engine.step.request_table import RequestTable
 from engine.step.step_inputs import BatchBuilder, StepLayout
 from models.config import ModelConfig
+from models.quant import quantize_params
 from scheduler import SchedulerOutput, StepResult, TokenLogprobs
 
 _compile_events = [0]
@@ -66,7 +67,8 @@ class ModelRunner:
                  attention_backend: str, interpret: bool = False, layer_loop: str = "unrolled",
                  precompile: bool = True, progress: bool = True, placement: Placement | None = None,
                  background_compile: bool = False, keep_hidden: bool = False,
-                 executables: dict | None = None):
+                 executables: dict | None = None, quantization: str | None = None,
+                 activation_rows: int | None = None, kv_cache_dtype: str = "auto"):
         self.model_config = model_config
         self.layer_loop = layer_loop  # engine/config.py LAYER_LOOPS
         self.shapes = shapes
@@ -77,10 +79,16 @@ class ModelRunner:
             # Served layout (models/llama.py): q/k/v and gate/up fused into one product each;
             # stacked 16-bit layers as their bits.
             # (Host arrays, a LoadedModel shared with sharded engines, move to the device here.)
-            self.params = serve_layout(jax.tree.map(jnp.asarray, params), layer_loop)
+            # Quantized weights (models/quant.py) are made here from the float ones, per output
+            # channel of the served layout; the float copy is dropped with the caller's.
+            self.params = quantize_params(serve_layout(jax.tree.map(jnp.asarray, params), layer_loop),
+                                          quantization, activation_rows=activation_rows)
             self.kv_cache = allocate_kv_cache(model_config, shapes.num_blocks, shapes.block_size, dtype,
-                                              bits=bits)
+                                              bits=bits, kv_cache_dtype=kv_cache_dtype)
         else:
+            if quantization is not None or kv_cache_dtype != "auto":
+                raise ValueError("ModelRunner: quantized weights and an 8-bit KV cache run on one device "
+                                 "(no placement) for now")
             if keep_hidden:
                 raise ValueError("ModelRunner(keep_hidden=True) runs on one device (no placement)")
             # On a mesh (placement.py): params already padded, fused per shard and placed
@@ -141,7 +149,7 @@ class ModelRunner:
     @property
     def healthy(self) -> bool:
         """False once a failed step has consumed the donated device state (cache, table)."""
-        arrays = (*self.kv_cache, self.table.state.output_counts)
+        arrays = (*jax.tree.leaves(self.kv_cache), self.table.state.output_counts)
         return not any(a.is_deleted() for a in arrays)
 
     def compile_all(self, progress: bool = True, workers: int | None = None,

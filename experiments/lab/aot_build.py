@@ -21,7 +21,13 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
-from engine.config import EngineConfig, resolve_dtype, resolve_layer_loop, resolve_max_model_len
+from engine.config import (
+    EngineConfig,
+    resolve_activation_rows,
+    resolve_dtype,
+    resolve_layer_loop,
+    resolve_max_model_len,
+)
 from engine.step.buckets import Bucket, RunnerShapes, resolve_seq_buckets, resolve_token_buckets
 from engine.step.executables import manifest, save_executables
 from engine.step.kv_cache import bytes_per_block
@@ -33,6 +39,7 @@ from experiments.lab.targets import compile_only_devices, target
 from models.config import ModelConfig
 from models.sharding import KV_CACHE_SPEC, param_specs
 from pallas_kernels import resolve_backend
+from pallas_kernels.kv_quant import allocate_scaled
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -180,7 +187,12 @@ def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: st
     bs = config.block_size
     max_blocks_per_seq = -(-max_model_len // bs)
 
-    params = served_params_spec(model, dtype=dtype, layer_loop=layer_loop, placement=placement)
+    activation_rows = resolve_activation_rows(config, platform)
+    if config.kv_cache_dtype != "auto" and backend != "xla":
+        raise ValueError(f"--kv_cache_dtype={config.kv_cache_dtype}: the {backend} kernel does not read an "
+                         "8-bit KV cache yet; pass --attention_backend=xla")
+    params = served_params_spec(model, dtype=dtype, layer_loop=layer_loop, placement=placement,
+                                quantization=config.quantization, activation_rows=activation_rows)
     if placement is None:
         single = SingleDeviceSharding(devices[0])
         params = _with_sharding(params, jax.tree.map(lambda _: single, params))
@@ -194,7 +206,7 @@ def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: st
         replicated, kv_sharding = placement.replicated, NamedSharding(placement.mesh, KV_CACHE_SPEC)
         kv_config = placement.layout.padded
     weights = tree_bytes_per_device(params)
-    per_block = bytes_per_block(kv_config, bs, dtype) // tp
+    per_block = bytes_per_block(kv_config, bs, dtype, config.kv_cache_dtype) // tp
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
     else:  # engine/step/kv_cache.py num_blocks_for on an accelerator: a fraction of what is free
@@ -211,9 +223,14 @@ def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: st
     kv_dtype = np.uint16 if bits else jax.numpy.dtype(dtype)
     kv_shape = (kv_config.num_layers, num_blocks, bs, kv_config.num_kv_heads, kv_config.head_dim)
     kv_leaf = jax.ShapeDtypeStruct(kv_shape, kv_dtype, sharding=kv_sharding)
+    kv_state = (kv_leaf, kv_leaf)
+    if config.kv_cache_dtype != "auto":  # values and scales (pallas_kernels/kv_quant.py), one device
+        scaled = jax.eval_shape(lambda: allocate_scaled(kv_shape, config.kv_cache_dtype))
+        scaled = _with_sharding(scaled, jax.tree.map(lambda _: kv_sharding, scaled))
+        kv_state = (scaled, scaled)
     table = table_state_spec(shapes)
     table = _with_sharding(table, jax.tree.map(lambda _: replicated, table))
-    state = (params, (kv_leaf, kv_leaf), table)
+    state = (params, kv_state, table)
     step = make_step(model, shapes, attention_backend=backend, interpret=False,
                      layer_loop=layer_loop, placement=placement, keep_hidden=False)
     builder = BatchBuilder(max_blocks_per_seq=max_blocks_per_seq, block_size=bs,
@@ -254,12 +271,13 @@ def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: st
     transfers = _transfer_programs(config, target_name, kv_leaf, max_blocks_per_seq) if config.disaggregation else []
     meta = manifest(platform=platform, device_kind=devices[0].device_kind, model=model, dtype=dtype,
                     attention_backend=backend, layer_loop=layer_loop, tensor_parallel_size=tp,
-                    shapes=shapes)
+                    shapes=shapes, quantization=config.quantization, activation_rows=activation_rows,
+                    kv_cache_dtype=config.kv_cache_dtype)
     return Build(
         target=target_name, platform=platform, dtype=dtype, attention_backend=backend,
         layer_loop=layer_loop, tensor_parallel_size=tp, max_model_len=max_model_len, block_size=bs,
         num_blocks=num_blocks, hbm_bytes=hbm, usable_bytes=usable, weights_bytes=weights,
-        kv_cache_bytes=2 * _nbytes(kv_leaf), table_bytes=tree_bytes_per_device(table),
+        kv_cache_bytes=tree_bytes_per_device(kv_state), table_bytes=tree_bytes_per_device(table),
         kv_bytes_per_block=per_block, buckets=results, shapes=shapes, manifest=meta,
         transfers=transfers)
 
