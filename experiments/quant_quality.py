@@ -18,7 +18,8 @@ V as an 8-bit cache would give them back (pallas_kernels/kv_quant.py), run by th
 
 Configurations (name: weights, activation form, KV):
   float32            the reference forward
-  int8               int8 weights, activations quantized too (int8 x int8: every product here
+  int8               int8 weights, activations quantized too (int8 x int8, a scale per 64
+                     input channels of a row: models/quant.py ACTIVATION_GROUP; every product here
                      has >= 2 rows, the form the CPU engine uses for its prefill buckets)
   int8-weight-only   int8 weights, float activations (the CPU engine's one-row decode form)
   fp8                fp8 e4m3 weights, weight-only (the CPU's fp8 form)
@@ -41,7 +42,7 @@ from experiments.bench.bf16_agreement import dense_logits, load_reference
 
 _CONFIGS = flags.DEFINE_list("configs", ["int8", "int8-weight-only", "fp8", "kv-int8", "kv-fp8_e4m3"],
                              "Configurations to compare with float32 (names in the module docstring).")
-_NEAR_TIE = flags.DEFINE_float("near_tie", 0.5, "A reference top-2 margin below this is a near-tie.")
+# --near_tie is experiments.bench.bf16_agreement's flag (defined when it is imported): one margin.
 _PPL_TOKENS = flags.DEFINE_integer("ppl_tokens", 512, "Tokens of held-out text for the perplexity.")
 _JSON = flags.DEFINE_string("json", None, "Write the result here as JSON.")
 
@@ -155,8 +156,8 @@ def compare(names: Sequence[str], *, near_tie: float, ppl_tokens: int, prompts=N
 
 def main(argv: Sequence[str]) -> None:
     del argv
-    results = compare(_CONFIGS.value, near_tie=_NEAR_TIE.value, ppl_tokens=_PPL_TOKENS.value)
-    near = _NEAR_TIE.value
+    results = compare(_CONFIGS.value, near_tie=flags.FLAGS.near_tie, ppl_tokens=_PPL_TOKENS.value)
+    near = flags.FLAGS.near_tie
     print(f"| config | agree (all) | agree (margin >= {near:g}) | perplexity | ratio to float32 | "
           "first disagreements (step: reference margin) |")
     print("| --- | --- | --- | --- | --- | --- |")

@@ -23,6 +23,9 @@ layers, [E, o, i] for experts.
                    sx = max|x_row| / 127 (int8) or / 448 (fp8), y = dot(xq, q) accumulated in
                    int32 (int8, exact) or float32 (fp8) * sx * s. A row's result depends only on
                    that row, so batching never changes it.
+   The activation scales are per group of ACTIVATION_GROUP (64) input channels of a row where
+   that divides the input width (y = sum over groups of sx * the group's int32 dot), per row
+   otherwise: per-row scales let one outlier channel of the residual stream coarsen a whole row.
    activation_rows is a static field of every QuantizedWeight: None never quantizes activations.
    The engine sets it per platform from measurement (engine/config.py QUANT_ACTIVATION_ROWS,
    BUILD_NOTES.md "Quantization").
@@ -36,11 +39,17 @@ model's dtype (models/llama.py) works unchanged; the stored dtype is `q.dtype`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 
 QUANTIZATIONS = ("int8", "fp8")
+# Activations are quantized with one scale per this many input channels of a row (where it
+# divides the product's input width; otherwise one per row): on the default model per-row
+# scales cost 3.2 % perplexity (the residual stream's outlier channels coarsen the whole row),
+# groups of 64 0.0 % (BUILD_NOTES.md "Quantization").
+ACTIVATION_GROUP = 64
 _QMAX = {"int8": 127.0, "fp8": 448.0}
 _STORED = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 # The served layout's weight matrices that are quantized (models/llama.py SERVED_PRODUCTS and
@@ -61,6 +70,8 @@ class QuantizedWeight:
     scale: jax.Array  # float32 [..., o]
     dtype_name: str = dataclasses.field(metadata=dict(static=True), default="float32")
     activation_rows: int | None = dataclasses.field(metadata=dict(static=True), default=None)
+    # Activation scales per this many input channels of a row (None: one per row); must divide i.
+    activation_group: int | None = dataclasses.field(metadata=dict(static=True), default=None)
 
     @property
     def dtype(self):
@@ -94,6 +105,8 @@ class QuantizedWeight:
         if len(lhs) != 2 or len(rhs) != 2 or lhs[1] != rhs[1] or out != lhs[0] + rhs[0] or self.q.ndim != 2:
             raise ValueError(f"a quantized weight takes an out-major product x[t, i] . w[o, i]; got "
                              f"spec {spec!r} for a weight of shape {tuple(self.q.shape)}")
+        if self.quantizes_activations(x.shape[0]) and self.activation_group:
+            return self._grouped_activation_product(x)
         if self.quantizes_activations(x.shape[0]):
             xq, sx = quantize_rows(x, self.method)
             rows = xq.shape[0]
@@ -108,6 +121,23 @@ class QuantizedWeight:
         x = x.astype(self.dtype)
         y = jnp.dot(x, self.q.T.astype(self.dtype), preferred_element_type=jnp.float32)
         return y * self.scale[None, :]
+
+    def _grouped_activation_product(self, x):
+        """Activations quantized per group of `activation_group` input channels: one outlier
+        channel coarsens only its group. y = sum_g sx[t, g] * (xq[t, g, :] . q[o, g, :])."""
+        t, i = x.shape
+        g = self.activation_group
+        if i % g:
+            raise ValueError(f"activation_group={g} must divide the input width {i}")
+        xq, sx = quantize_rows(x.reshape(t, i // g, g), self.method)  # [t, G, g], [t, G, 1]
+        rows = t
+        if t == 1:
+            xq, sx = jnp.concatenate([xq, jnp.zeros_like(xq)]), jnp.concatenate([sx, sx])
+        acc = jnp.int32 if self.method == "int8" else jnp.float32
+        q = self.q.reshape(self.q.shape[0], i // g, g)
+        y = jax.lax.dot_general(xq, q, (((2,), (2,)), ((1,), (1,))), preferred_element_type=acc)  # [G, t, o]
+        y = jnp.sum(y.astype(jnp.float32) * jnp.swapaxes(sx, 0, 1), axis=0)
+        return y[:rows] * self.scale[None, :]
 
     def grouped_product(self, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
         """rows [a, i] sorted by group times this [G, o, i] weight -> float32 [a, o] (weight-only:
@@ -145,7 +175,8 @@ def _to_stored(x, method):
     return jnp.clip(x, -448.0, 448.0).astype(jnp.float8_e4m3fn)
 
 
-def quantize_weight(w: jax.Array, method: str, *, activation_rows: int | None = None) -> QuantizedWeight:
+def quantize_weight(w: jax.Array, method: str, *, activation_rows: int | None = None,
+                    activation_group: int | None = None) -> QuantizedWeight:
     """An out-major float weight [..., o, i] -> QuantizedWeight (per output channel, symmetric)."""
     if method not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {method!r}")
@@ -154,7 +185,7 @@ def quantize_weight(w: jax.Array, method: str, *, activation_rows: int | None = 
     amax = jnp.max(jnp.abs(w32), axis=-1)
     scale = jnp.where(amax > 0, amax / _QMAX[method], 1.0)
     q = _to_stored(w32 / scale[..., None], method)
-    return QuantizedWeight(q, scale, jnp.dtype(w.dtype).name, activation_rows)
+    return QuantizedWeight(q, scale, jnp.dtype(w.dtype).name, activation_rows, activation_group)
 
 
 def quantize_params(params: dict, method: str | None, *, activation_rows: int | None = None) -> dict:
@@ -164,7 +195,9 @@ def quantize_params(params: dict, method: str | None, *, activation_rows: int | 
         return params
     if method not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {method!r}")
-    quantize = jax.jit(lambda w: quantize_weight(w, method, activation_rows=activation_rows))
+    def quantize(w):
+        group = ACTIVATION_GROUP if w.shape[-1] % ACTIVATION_GROUP == 0 else None
+        return _quantize_jit(w, method, activation_rows, group)
 
     def layer(d: dict) -> dict:
         if "qkv_proj" not in d:
@@ -176,6 +209,11 @@ def quantize_params(params: dict, method: str | None, *, activation_rows: int | 
     out = {k: quantize(w) if k in QUANTIZED_TOP_WEIGHTS else w for k, w in params.items() if k != "layers"}
     out["layers"] = [layer(d) for d in layers] if isinstance(layers, list) else layer(layers)
     return out
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _quantize_jit(w, method, activation_rows, activation_group):
+    return quantize_weight(w, method, activation_rows=activation_rows, activation_group=activation_group)
 
 
 def is_quantized(w) -> bool:

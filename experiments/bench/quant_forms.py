@@ -6,7 +6,8 @@ The weight products of `--layers` layers of the default model's shapes (qkv_proj
 o_proj [576, 576], gate_up_proj [3072, 576], down_proj [576, 1536], out-major as served), one
 jitted function per (form, rows), each product fed by the previous one's output so none is
 skipped. Forms (models/quant.py): float32; int8 weight-only (the weights converted inside the
-dot); int8 x int8 -> int32 with dynamic per-row activation scales; fp8 weight-only. The forms of
+dot); int8 x int8 -> int32 with dynamic per-row activation scales, and with one activation scale
+per 64 input channels of a row ("g64"); fp8 weight-only. The forms of
 one row count are timed in turn, `--repeats` rounds, medians in ms; the ratio column is float32 /
 form (above 1: faster). The engine's rule (engine/config.py QUANT_ACTIVATION_ROWS) is the
 smallest row count from which the int8 x int8 form beats weight-only.
@@ -24,7 +25,7 @@ _REPEATS = flags.DEFINE_integer("repeats", 15, "Timed rounds per row count.")
 _LAYERS = flags.DEFINE_integer("layers", 30, "Layers of products per call.")
 
 SHAPES = {"qkv_proj": (960, 576), "o_proj": (576, 576), "gate_up_proj": (3072, 576), "down_proj": (576, 1536)}
-FORMS = ("float32", "int8 weight-only", "int8 x int8", "fp8 weight-only")
+FORMS = ("float32", "int8 weight-only", "int8 x int8", "int8 x int8 g64", "fp8 weight-only")
 
 
 def build(num_layers: int):
@@ -41,6 +42,8 @@ def build(num_layers: int):
                "int8 weight-only": [{k: quantize_weight(w, "int8") for k, w in d.items()} for d in floats],
                "int8 x int8": [{k: quantize_weight(w, "int8", activation_rows=0) for k, w in d.items()}
                                for d in floats],
+               "int8 x int8 g64": [{k: quantize_weight(w, "int8", activation_rows=0, activation_group=64)
+                                    for k, w in d.items()} for d in floats],
                "fp8 weight-only": [{k: quantize_weight(w, "fp8") for k, w in d.items()} for d in floats]}
 
     def run(layers, x):

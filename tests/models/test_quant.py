@@ -65,9 +65,14 @@ def test_product_forms(method):
     batched = np.asarray(jax.jit(lambda x: switched.product("te,ne->tn", x))(x))
     scale = np.abs(exact).max()
     assert np.max(np.abs(batched - exact)) < scale * (0.03 if method == "int8" else 0.15)
+    grouped = quantize_weight(w, method, activation_rows=0, activation_group=8)  # 5 groups of 8
+    by_group = np.asarray(jax.jit(lambda x: grouped.product("te,ne->tn", x))(x))
+    assert np.max(np.abs(by_group - exact)) < scale * (0.03 if method == "int8" else 0.15)
     if method == "int8":
-        one = jax.jit(lambda x: quantize_weight(w, method, activation_rows=0).product("te,ne->tn", x))
-        np.testing.assert_array_equal(np.concatenate([np.asarray(one(x[i : i + 1])) for i in range(8)]), batched)
+        for form in (switched, grouped):
+            one = jax.jit(lambda x, form=form: dataclasses.replace(form, activation_rows=0).product("te,ne->tn", x))
+            rows = np.concatenate([np.asarray(one(x[i : i + 1])) for i in range(8)])
+            np.testing.assert_array_equal(rows, batched if form is switched else by_group)
     with pytest.raises(ValueError, match="out-major"):
         weight_only.product("te,en->tn", x)
 
