@@ -18,9 +18,11 @@ V as an 8-bit cache would give them back (pallas_kernels/kv_quant.py), run by th
 
 Configurations (name: weights, activation form, KV):
   float32            the reference forward
-  int8               int8 weights, activations quantized too (int8 x int8, a scale per 64
-                     input channels of a row: models/quant.py ACTIVATION_GROUP; every product here
-                     has >= 2 rows, the form the CPU engine uses for its prefill buckets)
+  int8               int8 weights, activations quantized too (int8 x int8, a scale per row:
+                     every product here has >= 2 rows, the form the CPU engine uses for its
+                     buckets of 2 or more tokens)
+  int8-g64           the same with a scale per 64 input channels of a row (models/quant.py
+                     activation_group; not the engine's: slow on XLA:CPU)
   int8-weight-only   int8 weights, float activations (the CPU engine's one-row decode form)
   fp8                fp8 e4m3 weights, weight-only (the CPU's fp8 form)
   fp8-activations    fp8 weights and fp8 activations (the native fp8 x fp8 form of an H200)
@@ -51,12 +53,14 @@ _JSON = flags.DEFINE_string("json", None, "Write the result here as JSON.")
 class QuantConfig:
     quantization: str | None = None
     activation_rows: int | None = None  # models/quant.py: 0 = every product quantizes activations
+    activation_group: int | None = None  # models/quant.py: None = one activation scale per row
     kv_cache_dtype: str = "auto"
 
 
 CONFIGS = {
     "float32": QuantConfig(),
     "int8": QuantConfig("int8", 0),
+    "int8-g64": QuantConfig("int8", 0, activation_group=64),
     "int8-weight-only": QuantConfig("int8", None),
     "fp8": QuantConfig("fp8", None),
     "fp8-activations": QuantConfig("fp8", 0),
@@ -101,7 +105,8 @@ class Evaluator:
         from models.llama import forward_dense
         from models.quant import quantize_params
 
-        params = quantize_params(self.params, qc.quantization, activation_rows=qc.activation_rows)
+        params = quantize_params(self.params, qc.quantization, activation_rows=qc.activation_rows,
+                                 activation_group=qc.activation_group)
         jitted = jax.jit(lambda p, ids: forward_dense(p, self.config, ids, kv_cache_dtype=qc.kv_cache_dtype))
         return lambda ids: dense_logits(jitted, params, ids)
 

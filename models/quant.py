@@ -23,9 +23,9 @@ layers, [E, o, i] for experts.
                    sx = max|x_row| / 127 (int8) or / 448 (fp8), y = dot(xq, q) accumulated in
                    int32 (int8, exact) or float32 (fp8) * sx * s. A row's result depends only on
                    that row, so batching never changes it.
-   The activation scales are per group of ACTIVATION_GROUP (64) input channels of a row where
-   that divides the input width (y = sum over groups of sx * the group's int32 dot), per row
-   otherwise: per-row scales let one outlier channel of the residual stream coarsen a whole row.
+   The activation scales are per row, or (activation_group G) per G input channels of a row
+   (y = sum over groups of sx * the group's int32 dot): finer, since one outlier channel of the
+   residual stream coarsens a whole row, but slow on XLA:CPU (see quantize_params).
    activation_rows is a static field of every QuantizedWeight: None never quantizes activations.
    The engine sets it per platform from measurement (engine/config.py QUANT_ACTIVATION_ROWS,
    BUILD_NOTES.md "Quantization").
@@ -45,11 +45,11 @@ import jax
 import jax.numpy as jnp
 
 QUANTIZATIONS = ("int8", "fp8")
-# Activations are quantized with one scale per this many input channels of a row (where it
-# divides the product's input width; otherwise one per row): on the default model per-row
-# scales cost 3.2 % perplexity (the residual stream's outlier channels coarsen the whole row),
-# groups of 64 0.0 % (BUILD_NOTES.md "Quantization").
-ACTIVATION_GROUP = 64
+# quantize_params(activation_group=G): activations quantized with one scale per G input channels
+# of a row (where G divides the product's input width). On the default model per-row scales cost
+# 3.2 % perplexity (the residual stream's outlier channels coarsen the whole row), groups of 64
+# 0.0 %; but XLA:CPU runs the grouped (batched) int8 dot 1.5-8x slower than float32, against 3x
+# faster per row, so the engine uses per-row scales (BUILD_NOTES.md "Quantization").
 _QMAX = {"int8": 127.0, "fp8": 448.0}
 _STORED = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 # The served layout's weight matrices that are quantized (models/llama.py SERVED_PRODUCTS and
@@ -188,7 +188,8 @@ def quantize_weight(w: jax.Array, method: str, *, activation_rows: int | None = 
     return QuantizedWeight(q, scale, jnp.dtype(w.dtype).name, activation_rows, activation_group)
 
 
-def quantize_params(params: dict, method: str | None, *, activation_rows: int | None = None) -> dict:
+def quantize_params(params: dict, method: str | None, *, activation_rows: int | None = None,
+                    activation_group: int | None = None) -> dict:
     """The served layout (models/served_layout.py; layers a list or a stacked dict) with its
     weight matrices quantized (module docstring, 1.). method None returns params unchanged."""
     if method is None:
@@ -196,7 +197,7 @@ def quantize_params(params: dict, method: str | None, *, activation_rows: int | 
     if method not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {method!r}")
     def quantize(w):
-        group = ACTIVATION_GROUP if w.shape[-1] % ACTIVATION_GROUP == 0 else None
+        group = activation_group if activation_group and w.shape[-1] % activation_group == 0 else None
         return _quantize_jit(w, method, activation_rows, group)
 
     def layer(d: dict) -> dict:
