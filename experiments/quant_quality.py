@@ -6,7 +6,7 @@
 Each configuration is the float32 weights of the default model (the GGUF dequantized, as the
 engine serves it) in the served layout, with its weights quantized (models/quant.py) and/or K and
 V as an 8-bit cache would give them back (pallas_kernels/kv_quant.py), run by the dense forward
-(models/llama.py forward_dense), teacher-forced as experiments.bench.bf16_agreement does:
+(models/llama.py forward_dense), teacher-forced as experiments.bench.bf16_agreement does (experiments/lab/reference_fixture.py):
 
 - greedy agreement: over prompt + the reference continuation of each fixture prompt
   (transformers' float32 greedy, tests/fixtures/smollm2_reference.*), each position's argmax
@@ -40,11 +40,12 @@ from collections.abc import Sequence
 
 from absl import app, flags
 
-from experiments.bench.bf16_agreement import dense_logits, load_reference
+from experiments.lab.reference_fixture import dense_logits, load_reference
 
 _CONFIGS = flags.DEFINE_list("configs", ["int8", "int8-weight-only", "fp8", "kv-int8", "kv-fp8_e4m3"],
                              "Configurations to compare with float32 (names in the module docstring).")
-# --near_tie is experiments.bench.bf16_agreement's flag (defined when it is imported): one margin.
+_NEAR_TIE = flags.DEFINE_float("near_tie", 0.5, "A reference top-2 margin below this is a near-tie "
+                                "(experiments.bench.bf16_agreement's default).")
 _PPL_TOKENS = flags.DEFINE_integer("ppl_tokens", 512, "Tokens of held-out text for the perplexity.")
 _JSON = flags.DEFINE_string("json", None, "Write the result here as JSON.")
 
@@ -161,8 +162,8 @@ def compare(names: Sequence[str], *, near_tie: float, ppl_tokens: int, prompts=N
 
 def main(argv: Sequence[str]) -> None:
     del argv
-    results = compare(_CONFIGS.value, near_tie=flags.FLAGS.near_tie, ppl_tokens=_PPL_TOKENS.value)
-    near = flags.FLAGS.near_tie
+    results = compare(_CONFIGS.value, near_tie=_NEAR_TIE.value, ppl_tokens=_PPL_TOKENS.value)
+    near = _NEAR_TIE.value
     print(f"| config | agree (all) | agree (margin >= {near:g}) | perplexity | ratio to float32 | "
           "first disagreements (step: reference margin) |")
     print("| --- | --- | --- | --- | --- | --- |")
