@@ -194,6 +194,9 @@ def quantize_params(params: dict, method: str | None, *, activation_rows: int | 
     weight matrices quantized (module docstring, 1.). method None returns params unchanged."""
     if method is None:
         return params
+    if any(getattr(w, "dtype", None) == jnp.uint16 for w in jax.tree.leaves(params["layers"])):
+        raise ValueError("quantize_params takes float weights; these layers hold 16-bit bits "
+                         "(pack_layer_bits): quantize before packing (engine/step/program.py serve_layout)")
     if method not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {method!r}")
     def quantize(w):

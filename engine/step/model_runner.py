@@ -43,7 +43,6 @@ from engine.step.program import lower_bucket, make_step, serve_layout
 from engine.step.request_table import RequestTable
 from engine.step.step_inputs import BatchBuilder, StepLayout
 from models.config import ModelConfig
-from models.quant import quantize_params
 from scheduler import SchedulerOutput, StepResult, TokenLogprobs
 
 _compile_events = [0]
@@ -81,8 +80,8 @@ class ModelRunner:
             # (Host arrays, a LoadedModel shared with sharded engines, move to the device here.)
             # Quantized weights (models/quant.py) are made here from the float ones, per output
             # channel of the served layout; the float copy is dropped with the caller's.
-            self.params = quantize_params(serve_layout(jax.tree.map(jnp.asarray, params), layer_loop),
-                                          quantization, activation_rows=activation_rows)
+            self.params = serve_layout(jax.tree.map(jnp.asarray, params), layer_loop, quantization,
+                                       activation_rows)
             self.kv_cache = allocate_kv_cache(model_config, shapes.num_blocks, shapes.block_size, dtype,
                                               bits=bits, kv_cache_dtype=kv_cache_dtype)
         else:

@@ -186,3 +186,21 @@ def test_paged_equals_dense_with_the_same_quantization(quantization, activation_
         cache, logits = step(params, cache, batch)
         for i in range(len(seqs)):
             np.testing.assert_allclose(logits[i], oracle[i][LENGTHS[i] + extra], atol=tol, rtol=tol)
+
+
+def test_the_runner_layout_quantizes_before_16bit_layers_become_bits():
+    """On a stacked loop 16-bit layers are held as their bits (pack_layer_bits): the weights are
+    quantized from their float values first (engine/step/program.py serve_layout)."""
+    from engine.step.program import serve_layout
+
+    config = preset_config("tiny")
+    params = jax.tree.map(lambda a: jnp.asarray(a, jnp.bfloat16), random_params(config, seed=1))
+    served = serve_layout(params, "stacked", "int8")
+    qkv = served["layers"]["qkv_proj"]
+    assert isinstance(qkv, QuantizedWeight) and qkv.dtype == jnp.bfloat16 and qkv.q.shape[0] == config.num_layers
+    want = fuse_projections(stack_layers(params))["layers"]["qkv_proj"].astype(jnp.float32)
+    np.testing.assert_allclose(np.asarray(qkv.dequantize(), np.float32), want,
+                               atol=float(jnp.max(qkv.scale)) * 0.51 + 0.02 * float(jnp.max(jnp.abs(want))))
+    assert served["layers"]["attn_norm"].dtype == jnp.uint16  # the rest still packed
+    with pytest.raises(ValueError, match="16-bit bits"):
+        quantize_params(serve_layout(params, "stacked"), "int8")
