@@ -204,3 +204,19 @@ def test_the_runner_layout_quantizes_before_16bit_layers_become_bits():
     assert served["layers"]["attn_norm"].dtype == jnp.uint16  # the rest still packed
     with pytest.raises(ValueError, match="16-bit bits"):
         quantize_params(serve_layout(params, "stacked"), "int8")
+
+
+def test_an_8bit_cache_holds_194x_the_blocks_of_bfloat16_in_one_budget():
+    """Default model's shapes: 11,880 bytes per token (values + one bfloat16 scale per token and
+    kv head) against bfloat16's 23,040 (0.516x); the same byte budget sizes 1.94x the blocks."""
+    from engine.step.kv_cache import kv_bytes_per_token, num_blocks_for
+
+    config = preset_config("smollm2-135m")
+    bf16 = kv_bytes_per_token(config, "bfloat16")
+    for kv in ("int8", "fp8_e4m3"):
+        assert kv_bytes_per_token(config, "bfloat16", kv) == kv_bytes_per_token(config, "float32", kv) == 11_880
+        assert kv_bytes_per_token(config, "bfloat16", kv) / bf16 < 0.52
+    sized = {kv: num_blocks_for(config, block_size=16, dtype="bfloat16", num_kv_blocks=None,
+                                kv_cache_bytes=512 << 20, memory_fraction=0.85, max_useful_blocks=10**9,
+                                device=jax.devices("cpu")[0], kv_cache_dtype=kv) for kv in ("auto", "int8")}
+    assert 1.93 < sized["int8"] / sized["auto"] < 1.95
