@@ -25,6 +25,8 @@ class EngineConfig:
     model: str = "default"  # "default", a GGUF file, a HF folder, an orbax folder, random:<name>
     tokenizer: str | None = None  # tokenizer path when the model path carries none
     dtype: str | None = None  # None: float32 on the CPU, bfloat16 on accelerators
+    quantization: str | None = None  # weights quantized at load, per output channel (models/quant.py): "int8" or "fp8" (e4m3); None: the dtype's weights
+    quantization_activation_rows: int | None = None  # with quantization: products of at least this many rows quantize their activations too (int8 x int8 -> int32 / fp8 x fp8, dynamic per-row scales), smaller ones convert the weights inside a float dot; None: the platform's measured default (QUANT_ACTIVATION_ROWS); 0: every product; a number above max_num_batched_tokens: none
     attention_backend: str = "auto"  # auto: Pallas on TPU/GPU, xla on the CPU
     interpret: bool = False  # run Pallas kernels in interpret mode (CPU tests)
     scan_layers: bool | None = None  # compile one layer (a lax.scan over layers); None: the platform's default
@@ -36,6 +38,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # explicit KV cache size; overrides the two below
     kv_cache_memory_fraction: float = 0.85  # of free device memory (accelerators)
     kv_cache_bytes: int = 512 * 1024 * 1024  # byte budget on the CPU (per device on a mesh)
+    kv_cache_dtype: str = "auto"  # auto (the model dtype) | int8 | fp8_e4m3: 8-bit K and V with a scale per token and kv head (pallas_kernels/kv_quant.py); the xla attention backend only
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # fcfs | priority | static (baseline)
@@ -135,6 +138,7 @@ class EngineConfig:
                              f"must be below max_num_batched_tokens ({self.max_num_batched_tokens})")
         self._check_disaggregation()
         check_lora_config(self)
+        self._check_quantization()
         if self.token_buckets is not None and self.token_buckets[-1] < self.max_num_batched_tokens:
             raise ValueError(
                 "EngineConfig.token_buckets: the largest bucket "
@@ -164,6 +168,30 @@ class EngineConfig:
                              "admits the moved KV blocks as prefix-cache hits")
         if self.policy == "static" or self.kv_allocation != "paged":
             raise ValueError("EngineConfig.disaggregation needs policy fcfs or priority and kv_allocation paged")
+
+    def _check_quantization(self) -> None:
+        from models.quant import QUANTIZATIONS  # jax: only once a config is built
+        from pallas_kernels.kv_quant import KV_CACHE_DTYPES
+
+        _choice("quantization", self.quantization, QUANTIZATIONS, allow_none=True)
+        _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        rows = self.quantization_activation_rows
+        if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 0):
+            raise ValueError(f"EngineConfig.quantization_activation_rows must be a non-negative integer or None, "
+                             f"got {rows!r}")
+        if rows is not None and self.quantization is None:
+            raise ValueError("EngineConfig.quantization_activation_rows needs quantization (int8 or fp8)")
+        for name, value, default in (("quantization", self.quantization, None),
+                                     ("kv_cache_dtype", self.kv_cache_dtype, "auto")):
+            if value == default:
+                continue
+            # Not implemented: the sharded layout (models/sharding.py) and the KV transfers of
+            # disaggregation do not carry scales yet.
+            if self.tensor_parallel_size > 1 or self.data_parallel_size > 1 or self.num_processes > 1:
+                raise ValueError(f"EngineConfig.{name}={value!r} is not implemented on a mesh: use "
+                                 "tensor_parallel_size=1, data_parallel_size=1, num_processes=1")
+            if self.disaggregation is not None:
+                raise ValueError(f"EngineConfig.{name}={value!r} is not implemented with disaggregation")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
@@ -217,6 +245,24 @@ SCAN_LAYERS_DEFAULT = {"cpu": True, "gpu": True, "tpu": True}
 # the scan keeps per-layer buffers; accelerators read a slice in place and keep the stacked scan.
 STACK_LAYER_WEIGHTS = {"cpu": False, "gpu": True, "tpu": True}
 LAYER_LOOPS = ("unrolled", "stacked", "switch")
+# Quantized weights (models/quant.py): the smallest product (rows) that also quantizes its
+# activations, per platform. CPU, measured (BUILD_NOTES.md "Quantization"): XLA:CPU converts int8
+# weights inside a one-row dot at the speed of reading them, but from a few rows on the converted
+# product is several times slower than float32, while int8 x int8 -> int32 dots are fast.
+# Accelerators: not measured (no device lent); weight-only everywhere (a decode step is
+# weight-read-bound there, and weight-only keeps float activations).
+# fp8 on the CPU: XLA:CPU has no fp8 dot (it converts), so weight-only at every size.
+QUANT_ACTIVATION_ROWS = {("cpu", "int8"): 2}
+
+
+def resolve_activation_rows(config: EngineConfig, platform: str) -> int | None:
+    """quantization_activation_rows, or the platform's default (None: never; also without
+    quantization)."""
+    if config.quantization is None:
+        return None
+    if config.quantization_activation_rows is not None:
+        return config.quantization_activation_rows
+    return QUANT_ACTIVATION_ROWS.get((platform, config.quantization))
 
 
 def _choice(name: str, value, choices, *, allow_none: bool = False) -> None:

@@ -70,7 +70,8 @@ def report(build: Build, model: ModelConfig, config: EngineConfig) -> dict:
                 b["capacity_decode_tok_s"] = point.aggregate_tok_s
     return {
         "target": build.target, "platform": build.platform, "model": model.name,
-        "dtype": build.dtype, "attention_backend": build.attention_backend,
+        "dtype": build.dtype, "quantization": config.quantization, "kv_cache_dtype": config.kv_cache_dtype,
+        "attention_backend": build.attention_backend,
         "layer_loop": build.layer_loop, "tensor_parallel_size": tp,
         "data_parallel_size": config.data_parallel_size, "max_model_len": build.max_model_len,
         "block_size": build.block_size, "num_blocks": build.num_blocks,
@@ -91,7 +92,9 @@ def report(build: Build, model: ModelConfig, config: EngineConfig) -> dict:
 def format_report(r: dict) -> str:
     d = r["per_device_bytes"]
     lines = [
-        f"{r['model']} on {r['target']} ({r['platform']}, {r['dtype']}, {r['attention_backend']}, "
+        f"{r['model']} on {r['target']} ({r['platform']}, {r['dtype']}"
+        f"{', weights ' + r['quantization'] if r['quantization'] else ''}"
+        f"{', KV ' + r['kv_cache_dtype'] if r['kv_cache_dtype'] != 'auto' else ''}, {r['attention_backend']}, "
         f"tensor parallel {r['tensor_parallel_size']}, layers {r['layer_loop']})",
         f"  per device: weights {d['weights'] / GIB:.2f} GiB, KV cache {d['kv_cache'] / GIB:.2f} GiB "
         f"({r['num_blocks']} blocks, {r['kv_tokens']} tokens), request table "
@@ -167,6 +170,8 @@ def define_flags() -> None:
                       "periods: FLOPs and bytes of every layer (XLA's cost analysis counts a scan's body "
                       "once); about doubles the compile time.")
     flags.DEFINE_string("output_json", "", "Write the report here.")
+    flags.DEFINE_string("quantization", None, "Weights quantized at load: int8 | fp8 (models/quant.py).")
+    flags.DEFINE_string("kv_cache_dtype", "auto", "auto | int8 | fp8_e4m3 (the xla attention backend only).")
     flags.DEFINE_string("save_executables", "", "Write every compiled step and a manifest here, "
                         "for the server's --load_executables.")
 
@@ -186,7 +191,8 @@ def engine_config_from_flags(f) -> EngineConfig:
         kv_cache_memory_fraction=f.kv_cache_memory_fraction, token_buckets=ints(f.token_buckets),
         seq_buckets=ints(f.seq_buckets), attention_backend=f.attention_backend,
         speculative_config=spec, disaggregation=f.disaggregation, enable_lora=f.enable_lora,
-        max_loras=f.max_loras, max_lora_rank=f.max_lora_rank, lora_product=f.lora_product)
+        max_loras=f.max_loras, max_lora_rank=f.max_lora_rank, lora_product=f.lora_product,
+        quantization=f.quantization, kv_cache_dtype=f.kv_cache_dtype)
 
 
 def draft_configs(config: EngineConfig):

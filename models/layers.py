@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.quant import QuantizedWeight
 from pallas_kernels.kv_write import as_bits, from_bits
 
 
@@ -97,7 +98,10 @@ def gated(gate_up: jax.Array, act: str) -> jax.Array:
 
 
 def proj(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [t, ...] times a weight: x cast to the weight's dtype, accumulated and returned in f32."""
+    """x [t, ...] times a weight: x cast to the weight's dtype, accumulated and returned in f32
+    (a quantized weight runs its own product form, models/quant.py)."""
+    if isinstance(w, QuantizedWeight):
+        return w.product(spec, x)
     x = x.astype(w.dtype)
     pad = x.shape[0] == 1 and w.dtype == jnp.bfloat16 and jax.default_backend() == "cpu"
     if pad:
@@ -130,7 +134,10 @@ def embed_tokens(embed: jax.Array, token_ids: jax.Array, scale: bool = False) ->
     """Rows of the embedding table as float32, gathered as bits: XLA:CPU would convert a whole
     16-bit table to float32 every step to gather from it. scale: times sqrt(hidden), rounded to
     the table's dtype first (as Gemma's checkpoints compute it)."""
-    rows = from_bits(as_bits(embed)[token_ids], embed.dtype).astype(jnp.float32)
+    if isinstance(embed, QuantizedWeight):
+        rows = embed.rows(token_ids)
+    else:
+        rows = from_bits(as_bits(embed)[token_ids], embed.dtype).astype(jnp.float32)
     if scale:
         rows = rows * jnp.asarray(math.sqrt(embed.shape[-1]), embed.dtype).astype(jnp.float32)
     return rows

@@ -68,6 +68,7 @@ from models.layers import (  # noqa: F401  (apply_rope, rope_inv_freq, rms_norm:
 from models.moe import grouped_product, moe_mlp
 from models.served_layout import num_layers_of, unpack_layer
 from pallas_kernels import prepare_attention_metadata, ragged_paged_attention, write_kv
+from pallas_kernels.kv_quant import ScaledCache, fake_quantize_kv
 
 # The served layout's products, as the lax.switch branches of `_switch_scan` run them.
 SERVED_PRODUCTS = {"qkv_proj": "te,ne->tn", "o_proj": "tn,en->te", "gate_up_proj": "te,ne->tn",
@@ -229,8 +230,9 @@ class _Model:
         def group_body(carry, g):  # p stacked layers from index g * p
             for j in range(p):
                 index = g * p + j
-                layer = unpack_layer({k: jax.lax.dynamic_index_in_dim(w, index, keepdims=False)
-                                      for k, w in layers.items()}, dtype)
+                layer = unpack_layer({k: jax.tree.map(functools.partial(
+                    jax.lax.dynamic_index_in_dim, index=index, keepdims=False), w)
+                    for k, w in layers.items()}, dtype)
                 carry = step(carry, layer, self.loader_ops(layer, _Static(index, j)), _Static(index, j))
             return carry, None
 
@@ -238,7 +240,7 @@ class _Model:
         if full:
             carry, _ = jax.lax.scan(group_body, carry, jnp.arange(full // p, dtype=jnp.int32))
         for index in range(full, n):
-            layer = unpack_layer({k: w[index] for k, w in layers.items()}, dtype)
+            layer = unpack_layer({k: jax.tree.map(lambda a, i=index: a[i], w) for k, w in layers.items()}, dtype)
             carry = step(carry, layer, self.loader_ops(layer, index), index)
         return carry
 
@@ -256,15 +258,19 @@ def _layer_index(index):  # the cache's layer index (traced in a scan)
     return index.traced if isinstance(index, _Static) else index
 
 
-def forward_dense(params: dict, config: ModelConfig, token_ids: jax.Array) -> jax.Array:
+def forward_dense(params: dict, config: ModelConfig, token_ids: jax.Array,
+                  kv_cache_dtype: str = "auto") -> jax.Array:
     """Logits [t, v] (float32) for one sequence of token ids [t], no cache.
 
     Causal, so trailing padding never changes the logits of the positions before it: callers jit
-    it at a few padded lengths (tests do). Stacked layers run as a lax.scan (fast to compile)."""
+    it at a few padded lengths (tests do). Stacked layers run as a lax.scan (fast to compile).
+    kv_cache_dtype: attend over K and V as an 8-bit cache would give them back (int8, fp8_e4m3:
+    pallas_kernels/kv_quant.py), the oracle of a paged step over that cache."""
     model = _Model(config, params["embed"].dtype, lambda y: y)
     positions = jnp.arange(token_ids.shape[0], dtype=jnp.int32)
 
     def attend(q, k, v, cache, kind, index):
+        k, v = fake_quantize_kv(k, kv_cache_dtype), fake_quantize_kv(v, kv_cache_dtype)
         return dense_causal_attention(q, k, v, config.sm_scale, config.window_of(kind),
                                       config.attn_logit_softcap), cache
 
@@ -302,7 +308,8 @@ def forward_paged(
 
     `kv_cache` is (k_cache, v_cache), each [num_layers, num_blocks, block_size, k, d]
     (engine/step/kv_cache.py), in the model dtype or, for a 16-bit model on the xla path, uint16
-    holding its bits (pallas_kernels/kv_write.py). `batch` has the StepInputs fields: input_ids [T], positions [T],
+    holding its bits (pallas_kernels/kv_write.py), or an 8-bit cache, each a ScaledCache of values
+    and per-(token, kv head) scales (pallas_kernels/kv_quant.py). `batch` has the StepInputs fields: input_ids [T], positions [T],
     slot_mapping [T], query_start_loc [S+1], seq_lens [S], block_tables [S, max_blocks_per_seq],
     num_seqs [], logits_indices [L] (see engine/step/step_inputs.py); with adapters in
     `params["lora"]` (models/lora.py) also lora_slots [T], computed by `lora_method`.
@@ -322,7 +329,11 @@ def forward_paged(
         block_size=kv_cache[0].shape[2], backend=attention_backend, sliding_window=w,
         head_dim=config.head_dim) for w in windows}
 
-    kv_dtype = kv_cache[0].dtype if kv_cache[0].dtype != jnp.uint16 else params["embed"].dtype
+    # The dtype q, k, v are rounded to: the cache's, or the model's for a uint16 (bits) cache and
+    # an 8-bit one (pallas_kernels/kv_quant.py: write_kv quantizes k and v per token and kv head).
+    kv_dtype = kv_cache[0].dtype
+    if kv_dtype == jnp.uint16 or isinstance(kv_cache[0], ScaledCache):
+        kv_dtype = params["embed"].dtype
     reduce = (lambda y: y) if tp_axis is None else (lambda y: jax.lax.psum(y, tp_axis))
     model = _Model(config, kv_dtype, reduce, tp_axis)
     if "lora" in params:  # adapters (models/lora.py): each token's slot, 0 = none

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from models.layers import gated
+from models.quant import QuantizedWeight
 
 _OUT_MAJOR = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
@@ -36,6 +37,8 @@ _OUT_MAJOR = jax.lax.RaggedDotDimensionNumbers(
 def grouped_product(rows: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """rows [a, in] sorted by group, w [G, out, in] (out-major), group_sizes [G] -> [a, out] f32.
     Rows past sum(group_sizes) come out zero."""
+    if isinstance(w, QuantizedWeight):
+        return w.grouped_product(rows, group_sizes)
     rows = rows.astype(w.dtype)
     return jax.lax.ragged_dot_general(rows, w, group_sizes, _OUT_MAJOR,
                                       preferred_element_type=jnp.float32)

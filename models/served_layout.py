@@ -11,6 +11,7 @@ as their bits (`pack_layer_bits`). models/llama.py runs either layout.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from pallas_kernels.kv_write import as_bits, from_bits
@@ -78,7 +79,8 @@ def pack_layer_bits(params: dict) -> dict:
     layers = params["layers"]
     if isinstance(layers, list):
         return params
-    return {**params, "layers": {name: as_bits(w) for name, w in layers.items()}}
+    # (tree.map: a quantized weight, models/quant.py, is its int8/fp8 values and float32 scales)
+    return {**params, "layers": {name: jax.tree.map(as_bits, w) for name, w in layers.items()}}
 
 
 def unpack_layer(layer: dict, dtype) -> dict:

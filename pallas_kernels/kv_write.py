@@ -22,12 +22,17 @@ around it, in every layer (about a second per layer for the default model). A ca
 those bits (uint16; the runner keeps the xla path's 16-bit cache so, since XLA:CPU copies the
 whole cache to turn a scattered uint16 array back into bfloat16): then k and v must be the 16-bit
 float type whose bits it holds, and only their bits are stored.
+
+An 8-bit cache (kv_quant.ScaledCache for K and for V) is written by quantizing each new token's
+K and V per kv head and scattering the values and the scales (both integer arrays) at the same
+rows, on the xla and pallas_gpu paths; the TPU kernel refuses it (not written yet).
 """
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels import validation
+from pallas_kernels.kv_quant import ScaledCache, check_scaled_pair, quantize_kv
 
 _BITS = {2: jnp.uint16}
 _BACKENDS = ("xla", "pallas_tpu", "pallas_gpu")
@@ -57,8 +62,17 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping, layer=None, *, backend="xla",
     """
     if backend not in _BACKENDS:
         raise ValueError(f"write_kv backend must be one of {sorted(_BACKENDS)}; got {backend!r}")
-    k_cache, v_cache, k, v, slot_mapping = map(jnp.asarray, (k_cache, v_cache, k, v, slot_mapping))
-    cache = validation.check_cache(k_cache, v_cache, layer)
+    scaled = isinstance(k_cache, ScaledCache) or isinstance(v_cache, ScaledCache)
+    if scaled:  # an 8-bit cache (kv_quant.py): values and scales, both scattered here
+        check_scaled_pair(k_cache, v_cache)
+        if backend == "pallas_tpu":
+            raise ValueError(f"write_kv: an 8-bit KV cache ({k_cache.kv_cache_dtype}) is not written by "
+                             "the pallas_tpu kernel yet (kv_quant.py); use the xla attention backend")
+        k, v, slot_mapping = map(jnp.asarray, (k, v, slot_mapping))
+        cache = validation.check_cache(k_cache.values, v_cache.values, layer, eight_bit=True)
+    else:
+        k_cache, v_cache, k, v, slot_mapping = map(jnp.asarray, (k_cache, v_cache, k, v, slot_mapping))
+        cache = validation.check_cache(k_cache, v_cache, layer)
     num_tokens = slot_mapping.shape[0] if slot_mapping.ndim == 1 else -1
     expected = (num_tokens, cache.num_kv_heads, cache.head_dim)
     if slot_mapping.ndim != 1 or k.shape != expected or v.shape != expected:
@@ -67,7 +81,7 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping, layer=None, *, backend="xla",
             f"{tuple(k_cache.shape)}; got k{tuple(k.shape)}, v{tuple(v.shape)}, "
             f"slot_mapping{tuple(slot_mapping.shape)}"
         )
-    if k_cache.dtype == jnp.uint16:
+    if not scaled and k_cache.dtype == jnp.uint16:
         validation.check_bits_values(k, "k")
         validation.check_bits_values(v, "v", "v_cache")
     if not jnp.issubdtype(slot_mapping.dtype, jnp.integer):
@@ -79,7 +93,7 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping, layer=None, *, backend="xla",
     slots = slot_mapping.astype(jnp.int32)
     rows = validation.layer_index(layer) * layer_slots + slots
     in_range = (slots >= 0) & (slots < layer_slots)
-    if backend == "pallas_tpu" and k_cache.dtype != jnp.uint16:
+    if backend == "pallas_tpu" and not scaled and k_cache.dtype != jnp.uint16:
         from pallas_kernels.tpu_kv_write import write_kv_tpu
 
         layer_arr = jnp.reshape(jnp.asarray(validation.layer_index(layer), jnp.int32), (1,))
@@ -94,6 +108,8 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping, layer=None, *, backend="xla",
         rows = jnp.concatenate([rows, jnp.full((1,), total_slots, jnp.int32)])
         k, v = (jnp.concatenate([x, jnp.zeros_like(x)]) for x in (k, v))
     flat_shape = (total_slots, cache.num_kv_heads, cache.head_dim)
+    if scaled:
+        return tuple(_scatter_scaled(c, x, rows, flat_shape) for c, x in ((k_cache, k), (v_cache, v)))
 
     def scatter(c, x):
         x = x if c.dtype == jnp.uint16 else x.astype(c.dtype)
@@ -101,3 +117,11 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping, layer=None, *, backend="xla",
         return from_bits(bits.reshape(c.shape), c.dtype)
 
     return scatter(k_cache, k), scatter(v_cache, v)
+
+
+def _scatter_scaled(c: ScaledCache, x, rows, flat_shape) -> ScaledCache:
+    """x [T, Hkv, D] quantized per token and kv head, values and scales scattered at `rows`."""
+    values, scales = quantize_kv(x, c.kv_cache_dtype)
+    new_values = c.values.reshape(flat_shape).at[rows].set(values, mode="drop")
+    new_scales = c.scales.reshape(flat_shape[:-1]).at[rows].set(scales, mode="drop")
+    return ScaledCache(new_values.reshape(c.values.shape), new_scales.reshape(c.scales.shape), c.kv_cache_dtype)

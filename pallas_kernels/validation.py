@@ -143,8 +143,11 @@ def check_batch_inputs(
     )
 
 
-def check_cache(k_cache, v_cache, layer, *, k_name="k_cache", v_name="v_cache") -> CacheShapes:
+def check_cache(k_cache, v_cache, layer, *, k_name="k_cache", v_name="v_cache",
+                eight_bit: bool = False) -> CacheShapes:
     """Validates a stacked (5-D, with `layer`) or single-layer (4-D, layer=None) K/V cache pair.
+    eight_bit: these are the values of an 8-bit cache (int8, or uint8 holding e4m3 bits), whose
+    scales kv_quant.check_scaled_pair checks.
 
     A Python int layer must lie in [0, num_layers); a traced layer must be an integer scalar (its
     range is the caller's promise: the kernels do not bounds-check it).
@@ -158,7 +161,10 @@ def check_cache(k_cache, v_cache, layer, *, k_name="k_cache", v_name="v_cache") 
             f"{k_name}={jnp.result_type(k_cache)} {v_name}={jnp.result_type(v_cache)}"
         )
     dtype = jnp.result_type(k_cache)
-    if not (jnp.issubdtype(dtype, jnp.floating) or dtype == jnp.uint16):
+    if eight_bit:
+        if dtype not in (jnp.int8, jnp.uint8):
+            raise ValueError(f"the values of an 8-bit {k_name} are int8 or uint8 (e4m3 bits); got {dtype}")
+    elif not (jnp.issubdtype(dtype, jnp.floating) or dtype == jnp.uint16):
         raise ValueError(
             f"{k_name} must be floating point (or uint16: the bits of a 16-bit float cache); "
             f"got dtype {dtype} ({shapes})"
@@ -218,11 +224,12 @@ def layer_index(layer):
     return jnp.asarray(layer).astype(jnp.int32)
 
 
-def check_layer_inputs(q, k_cache, v_cache, md, layer, backend) -> CacheShapes:
-    """Per-layer checks: q and the cache against the metadata; returns the cache's sizes."""
+def check_layer_inputs(q, k_cache, v_cache, md, layer, backend, *, eight_bit: bool = False) -> CacheShapes:
+    """Per-layer checks: q and the cache against the metadata; returns the cache's sizes.
+    eight_bit: k_cache, v_cache are an 8-bit cache's values (check_cache)."""
     if md.backend != backend:
         raise ValueError(f"md was prepared for backend {md.backend!r}; got backend={backend!r}")
-    cache = check_cache(k_cache, v_cache, layer)
+    cache = check_cache(k_cache, v_cache, layer, eight_bit=eight_bit)
     shapes = _shape_str(q=q, k_cache=k_cache, v_cache=v_cache)
     if jnp.result_type(k_cache) == jnp.uint16 and backend != "xla":
         raise ValueError(f"a uint16 (bits) cache is the xla path's; {backend} takes the float cache ({shapes})")

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import metadata, validation
+from pallas_kernels.kv_quant import ScaledCache, dequantize_kv
 from pallas_kernels.kv_write import as_bits, from_bits
 
 
@@ -69,18 +70,26 @@ def prepare_loop(
 
 
 class PagedKV:
-    """One layer's K/V pages as rows of the whole stacked cache (free views, never a copy)."""
+    """One layer's K/V pages as rows of the whole stacked cache (free views, never a copy).
+    An 8-bit cache (kv_quant.ScaledCache) brings its scale pages [L * num_blocks, bs, Hkv]."""
 
-    def __init__(self, k_pages, v_pages, page_base, dtype, block_size):
+    def __init__(self, k_pages, v_pages, page_base, dtype, block_size, scales=None, kv_cache_dtype="auto"):
         self.k_pages, self.v_pages = k_pages, v_pages  # [L * num_blocks, bs, Hkv, D] (bits)
         self.page_base = page_base  # int (static) or int32[]: layer * num_blocks
         self.dtype = dtype  # the dtype the pages hold (the float type for a uint16 cache)
         self.block_size = block_size
+        self.scales = scales  # None, or (k, v) scale pages (bfloat16 bits) of an 8-bit cache
+        self.kv_cache_dtype = kv_cache_dtype
 
     @classmethod
     def of(cls, k_cache, v_cache, cache: validation.CacheShapes, layer, q_dtype, block_size):
         page_shape = (cache.num_layers * cache.num_blocks, block_size, cache.num_kv_heads,
                       cache.head_dim)
+        if isinstance(k_cache, ScaledCache):
+            pages = lambda c: (jnp.reshape(c.values, page_shape), jnp.reshape(c.scales, page_shape[:-1]))  # noqa: E731
+            (k_pages, k_scales), (v_pages, v_scales) = pages(k_cache), pages(v_cache)
+            return cls(k_pages, v_pages, validation.layer_index(layer) * cache.num_blocks, k_pages.dtype,
+                       block_size, (k_scales, v_scales), k_cache.kv_cache_dtype)
         dtype = jnp.asarray(k_cache).dtype
         if dtype == jnp.uint16:
             dtype = q_dtype
@@ -91,11 +100,15 @@ class PagedKV:
         """ids int32[..., P] page ids within the layer -> K, V float32 [..., P * bs, Hkv, D]."""
         ids = ids + self.page_base
 
-        def read(pages):
-            x = from_bits(pages[ids], self.dtype).astype(jnp.float32)
+        def read(pages, scales):
+            if scales is None:
+                x = from_bits(pages[ids], self.dtype).astype(jnp.float32)
+            else:  # dequantized after the gather: only the pages read are converted
+                x = dequantize_kv(pages[ids], scales[ids], self.kv_cache_dtype)
             return x.reshape(*ids.shape[:-1], ids.shape[-1] * self.block_size, *x.shape[-2:])
 
-        return read(self.k_pages), read(self.v_pages)
+        k_scales, v_scales = self.scales or (None, None)
+        return read(self.k_pages, k_scales), read(self.v_pages, v_scales)
 
 
 def page_loop(qb, tables, first_step, last_step, row_pos, row_ok, kv: PagedKV, *, pages_per_step,

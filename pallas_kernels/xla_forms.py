@@ -17,6 +17,7 @@ CHUNK_BLOCK_Q tokens and only up to the chunk's own position.
 import jax.numpy as jnp
 
 from pallas_kernels import metadata, validation, xla_split
+from pallas_kernels.kv_quant import ScaledCache, check_scaled_pair
 from pallas_kernels.xla import PagedKV, blocks_attention, prepare_loop
 
 FORMS = ("loop", "split")
@@ -94,11 +95,16 @@ def ragged_paged_attention_xla(
     k_cache, v_cache: [L, num_blocks, block_size, Hkv, D] with layer a Python int or a traced
     int32 scalar in [0, L), or [num_blocks, block_size, Hkv, D] with layer=None.
     """
-    cache = validation.check_layer_inputs(q, k_cache, v_cache, md, layer, "xla")
+    scaled = isinstance(k_cache, ScaledCache) or isinstance(v_cache, ScaledCache)
+    if scaled:  # an 8-bit cache: values and scales (kv_quant.py), dequantized after each gather
+        check_scaled_pair(k_cache, v_cache)
+        cache = validation.check_layer_inputs(q, k_cache.values, v_cache.values, md, layer, "xla", eight_bit=True)
+    else:
+        cache = validation.check_layer_inputs(q, k_cache, v_cache, md, layer, "xla")
     validation.check_options(sm_scale, sliding_window, soft_cap, "xla")
     validation.check_window_fits(md, sliding_window)
     q = jnp.asarray(q)
-    if jnp.asarray(k_cache).dtype == jnp.uint16:
+    if not scaled and jnp.asarray(k_cache).dtype == jnp.uint16:
         validation.check_bits_values(q, "q")
     kv = PagedKV.of(k_cache, v_cache, cache, layer, q.dtype, md.block_size)
     options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)

@@ -11,7 +11,13 @@ import time
 
 import jax
 
-from engine.config import EngineConfig, resolve_dtype, resolve_layer_loop, resolve_max_model_len
+from engine.config import (
+    EngineConfig,
+    resolve_activation_rows,
+    resolve_dtype,
+    resolve_layer_loop,
+    resolve_max_model_len,
+)
 from engine.step.buckets import (
     RunnerShapes,
     max_logit_rows,
@@ -88,6 +94,10 @@ def build_parts(config: EngineConfig, *, progress: bool = True, mesh=None, loade
             f"EngineConfig.attention_backend={config.attention_backend!r}: Pallas kernels do not "
             "compile for the CPU; pass interpret=True to run them in Pallas interpret mode "
             "(slow, for tests), or use attention_backend='xla' (the CPU path)")
+    if config.kv_cache_dtype != "auto" and backend != "xla":
+        raise ValueError(f"EngineConfig.kv_cache_dtype={config.kv_cache_dtype!r}: the {backend} attention "
+                         "kernel does not read an 8-bit KV cache yet; use attention_backend='xla' "
+                         "(pallas_kernels/kv_quant.py)")
     start = time.perf_counter()
     if loaded is None:
         loaded = load_model(config.model, dtype=dtype, seed=config.seed, tokenizer=config.tokenizer,
@@ -107,7 +117,7 @@ def build_parts(config: EngineConfig, *, progress: bool = True, mesh=None, loade
     num_blocks = num_blocks_for(
         kv_config, device=placement.devices[0] if placement else None, block_size=bs, dtype=dtype, num_kv_blocks=config.num_kv_blocks,
         kv_cache_bytes=config.kv_cache_bytes, memory_fraction=config.kv_cache_memory_fraction,
-        max_useful_blocks=config.max_num_seqs * max_blocks_per_seq + 1)
+        max_useful_blocks=config.max_num_seqs * max_blocks_per_seq + 1, kv_cache_dtype=config.kv_cache_dtype)
     if (num_blocks - 1) * bs < max_model_len:
         raise ValueError(
             f"the KV cache ({num_blocks - 1} blocks of {bs} tokens) cannot hold one request of "
@@ -139,7 +149,10 @@ def build_parts(config: EngineConfig, *, progress: bool = True, mesh=None, loade
         devices = placement.devices if placement else jax.devices()[:1]
         expected = manifest(platform=platform, device_kind=devices[0].device_kind, model=loaded.config,
                             dtype=dtype, attention_backend=backend, layer_loop=layer_loop,
-                            tensor_parallel_size=config.tensor_parallel_size, shapes=shapes)
+                            tensor_parallel_size=config.tensor_parallel_size, shapes=shapes,
+                            quantization=config.quantization,
+                            activation_rows=resolve_activation_rows(config, platform),
+                            kv_cache_dtype=config.kv_cache_dtype)
         executables = load_executables(config.load_executables, expected, devices)
     lora_manager, lora_slots, lora_method = None, None, "masked"
     if config.enable_lora:
@@ -159,7 +172,10 @@ def build_parts(config: EngineConfig, *, progress: bool = True, mesh=None, loade
                          precompile=config.precompile,
                          background_compile=config.background_compile, progress=progress, placement=placement,
                          keep_hidden=keep_hidden or head is not None, executables=executables,
-                         lora=lora_slots, lora_method=lora_method)
+                         lora=lora_slots, lora_method=lora_method,
+                         quantization=config.quantization,
+                         activation_rows=resolve_activation_rows(config, platform),
+                         kv_cache_dtype=config.kv_cache_dtype)
     proposer = None
     if spec is not None and spec.method == "draft_model":
         proposer = build_draft_proposer(config, shapes, loaded, dtype=dtype, backend=backend,

@@ -38,7 +38,8 @@ def _version(package: str) -> str | None:
 
 def manifest(*, platform: str, device_kind: str, model: ModelConfig, dtype: str,
              attention_backend: str, layer_loop: str, tensor_parallel_size: int,
-             shapes: RunnerShapes) -> dict:
+             shapes: RunnerShapes, quantization: str | None = None, activation_rows: int | None = None,
+             kv_cache_dtype: str = "auto") -> dict:
     """What must be equal between the process that compiled and the one that loads."""
     plugin = _PLUGINS.get(platform)
     as_json = lambda x: json.loads(json.dumps(x, default=str))  # noqa: E731  (tuples -> lists)
@@ -48,7 +49,9 @@ def manifest(*, platform: str, device_kind: str, model: ModelConfig, dtype: str,
         "platform": platform, "device_kind": device_kind,
         "model": {k: v for k, v in dataclasses.asdict(model).items() if k != "name"},
         "knobs": {"dtype": dtype, "attention_backend": attention_backend, "layer_loop": layer_loop,
-                  "tensor_parallel_size": tensor_parallel_size, **dataclasses.asdict(shapes)},
+                  "tensor_parallel_size": tensor_parallel_size, "quantization": quantization,
+                  "quantization_activation_rows": activation_rows, "kv_cache_dtype": kv_cache_dtype,
+                  **dataclasses.asdict(shapes)},
         "buckets": [dataclasses.astuple(b) for b in shapes.all_buckets()],
     })
 

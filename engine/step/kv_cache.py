@@ -11,6 +11,11 @@ On the xla attention path a 16-bit cache (bfloat16, float16) is allocated as uin
 (`bits=True`): XLA:CPU cannot scatter bfloat16 and would otherwise convert (copy) the whole
 cache around every layer's write (pallas_kernels/kv_write.py). The Pallas kernels take the float
 cache.
+
+An 8-bit cache (kv_cache_dtype "int8" or "fp8_e4m3", vLLM's names) is, for each of K and V, a
+ScaledCache: the values [L, num_blocks, block_size, Hkv, D] in 8 bits and one bfloat16 scale per
+token and kv head [L, num_blocks, block_size, Hkv] (pallas_kernels/kv_quant.py); its bytes per
+token, scales counted, size the pool.
 """
 
 from __future__ import annotations
@@ -19,15 +24,24 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig
+from pallas_kernels.kv_quant import allocate_scaled, bytes_per_value_and_scale
 
 
-def bytes_per_block(config: ModelConfig, block_size: int, dtype: str) -> int:
-    return block_size * config.kv_bytes_per_token(jnp.dtype(dtype).itemsize)
+def kv_bytes_per_token(config: ModelConfig, dtype: str, kv_cache_dtype: str = "auto") -> int:
+    """K and V bytes of one token over all layers: the model dtype's, or an 8-bit cache's values
+    plus their scales (one per token and kv head, pallas_kernels/kv_quant.py)."""
+    per_head = bytes_per_value_and_scale(kv_cache_dtype, jnp.dtype(dtype).itemsize, config.head_dim)
+    return 2 * config.num_layers * config.num_kv_heads * int(per_head)
+
+
+def bytes_per_block(config: ModelConfig, block_size: int, dtype: str, kv_cache_dtype: str = "auto") -> int:
+    return block_size * kv_bytes_per_token(config, dtype, kv_cache_dtype)
 
 
 def num_blocks_for(
     config: ModelConfig, *, block_size: int, dtype: str, num_kv_blocks: int | None,
     kv_cache_bytes: int, memory_fraction: float, max_useful_blocks: int, device=None,
+    kv_cache_dtype: str = "auto",
 ) -> int:
     """The cache size in blocks (including the null block).
 
@@ -37,7 +51,7 @@ def num_blocks_for(
     """
     if num_kv_blocks is not None:
         return num_kv_blocks
-    per_block = bytes_per_block(config, block_size, dtype)
+    per_block = bytes_per_block(config, block_size, dtype, kv_cache_dtype)
     device = device or jax.devices()[0]
     budget = kv_cache_bytes
     if device.platform != "cpu":
@@ -49,11 +63,16 @@ def num_blocks_for(
 
 
 def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: str, *,
-                      bits: bool = False, sharding=None) -> tuple:
+                      bits: bool = False, sharding=None, kv_cache_dtype: str = "auto") -> tuple:
     """Zeroed (k_cache, v_cache); bits=True stores a 16-bit dtype as uint16 (same bytes).
     `sharding` (a NamedSharding splitting the KV-head axis, models/sharding.py): each device
-    allocates only its own shard."""
+    allocates only its own shard. kv_cache_dtype "int8" / "fp8_e4m3": each of K and V is a
+    ScaledCache (values and scales, pallas_kernels/kv_quant.py; one device only)."""
     shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    if kv_cache_dtype != "auto":
+        if sharding is not None:
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not implemented on a mesh (one device only)")
+        return allocate_scaled(shape, kv_cache_dtype), allocate_scaled(shape, kv_cache_dtype)
     if bits and jnp.dtype(dtype).itemsize == 2:
         dtype = jnp.uint16
     if sharding is None:

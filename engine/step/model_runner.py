@@ -66,7 +66,9 @@ class ModelRunner:
                  attention_backend: str, interpret: bool = False, layer_loop: str = "unrolled",
                  precompile: bool = True, progress: bool = True, placement: Placement | None = None,
                  background_compile: bool = False, keep_hidden: bool = False,
-                 executables: dict | None = None, lora=None, lora_method: str = "masked"):
+                 executables: dict | None = None, lora=None, lora_method: str = "masked",
+                 quantization: str | None = None, activation_rows: int | None = None,
+                 kv_cache_dtype: str = "auto"):
         """lora: engine/lora/slots.LoRASlots, the adapters' device slots (their buffers join the
         served weights as params["lora"]; the step's products per token use `lora_method`,
         models/lora.py); None: no adapters."""
@@ -80,10 +82,16 @@ class ModelRunner:
             # Served layout (models/llama.py): q/k/v and gate/up fused into one product each;
             # stacked 16-bit layers as their bits.
             # (Host arrays, a LoadedModel shared with sharded engines, move to the device here.)
-            self.params = serve_layout(jax.tree.map(jnp.asarray, params), layer_loop)
+            # Quantized weights (models/quant.py) are made here from the float ones, per output
+            # channel of the served layout; the float copy is dropped with the caller's.
+            self.params = serve_layout(jax.tree.map(jnp.asarray, params), layer_loop, quantization,
+                                       activation_rows)
             self.kv_cache = allocate_kv_cache(model_config, shapes.num_blocks, shapes.block_size, dtype,
-                                              bits=bits)
+                                              bits=bits, kv_cache_dtype=kv_cache_dtype)
         else:
+            if quantization is not None or kv_cache_dtype != "auto":
+                raise ValueError("ModelRunner: quantized weights and an 8-bit KV cache run on one device "
+                                 "(no placement) for now")
             if keep_hidden:
                 raise ValueError("ModelRunner(keep_hidden=True) runs on one device (no placement)")
             # On a mesh (placement.py): params already padded, fused per shard and placed
@@ -147,7 +155,7 @@ class ModelRunner:
     @property
     def healthy(self) -> bool:
         """False once a failed step has consumed the donated device state (cache, table)."""
-        arrays = (*self.kv_cache, self.table.state.output_counts)
+        arrays = (*jax.tree.leaves(self.kv_cache), self.table.state.output_counts)
         return not any(a.is_deleted() for a in arrays)
 
     def compile_all(self, progress: bool = True, workers: int | None = None,

@@ -30,22 +30,31 @@ from engine.step.sampler import sample
 from engine.step.step_inputs import BatchBuilder, StepLayout
 from models.config import ModelConfig
 from models.llama import forward_paged
+from models.quant import quantize_params
 from models.random_weights import random_params
 from models.served_layout import fuse_projections, pack_layer_bits, stack_layers
 from models.sharding import abstract_sharded_params
 
 
-def serve_layout(params: dict, layer_loop: str) -> dict:
-    """Loader-layout params (on one device) -> what the single-device runner serves."""
+def serve_layout(params: dict, layer_loop: str, quantization: str | None = None,
+                 activation_rows: int | None = None) -> dict:
+    """Loader-layout params (on one device) -> what the single-device runner serves (quantized
+    before the stacked 16-bit layers become bits: models/quant.py quantizes float values)."""
     stacked = stack_layers(params) if layer_loop == "stacked" else params
-    return pack_layer_bits(fuse_projections(stacked))
+    served = quantize_params(fuse_projections(stacked), quantization, activation_rows=activation_rows)
+    return pack_layer_bits(served)
 
 
 def served_params_spec(config: ModelConfig, *, dtype: str, layer_loop: str,
-                       placement: Placement | None) -> dict:
-    """ShapeDtypeStructs (no sharding) of the weights the runner would serve for `config`."""
+                       placement: Placement | None, quantization: str | None = None,
+                       activation_rows: int | None = None) -> dict:
+    """ShapeDtypeStructs (no sharding) of the weights the runner would serve for `config`
+    (quantized as ModelRunner quantizes them, models/quant.py)."""
     if placement is None:
-        return jax.eval_shape(lambda: serve_layout(random_params(config, dtype=dtype), layer_loop))
+        return jax.eval_shape(lambda: serve_layout(random_params(config, dtype=dtype), layer_loop, quantization,
+                                                   activation_rows))
+    if quantization is not None:
+        raise ValueError(f"quantization={quantization!r} is not implemented on a mesh (one device only)")
     return abstract_sharded_params(config, placement.layout, dtype=dtype, stack=layer_loop == "stacked")
 
 

@@ -43,7 +43,9 @@ _NUM_REQUESTS = flags.DEFINE_list("num_requests", ["1", "8", "32"], "fixed: requ
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 0, "fixed: 0 = the chat prompts as rendered")
 _OUTPUT_LEN = flags.DEFINE_integer("output_len", 128, "fixed: new tokens per request")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "fixed: runs per (N, dtype); the median is reported")
-_DTYPES = flags.DEFINE_list("dtypes", [], "fixed: dtypes to compare (default: the platform's)")
+_DTYPES = flags.DEFINE_list("dtypes", [], "fixed: dtypes to compare (default: the platform's); an entry "
+                            "DTYPE:QUANTIZATION[:KV_CACHE_DTYPE] quantizes too, e.g. float32:int8, "
+                            "float32:int8:int8, float32::int8 (EngineConfig.quantization, kv_cache_dtype)")
 _PROFILE = flags.DEFINE_boolean("profile", False, "also print the per-bucket step profile")
 _MODEL = flags.DEFINE_string("model", "default", "model spec")
 _MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 32, "max_num_seqs (batched arm / largest N)")
@@ -62,7 +64,11 @@ FIXED_QUESTIONS = (
 
 
 def build_llm(dtype: str | None, *, max_num_seqs: int | None = None):
+    """dtype: a dtype, or DTYPE:QUANTIZATION[:KV_CACHE_DTYPE] (see --dtypes)."""
     from engine import LLM
+
+    dtype, quantization, kv_cache_dtype = ((dtype or "").split(":") + ["", ""])[:3]
+    quant = dict(quantization=quantization or None, kv_cache_dtype=kv_cache_dtype or "auto")
 
     seqs = max_num_seqs or _MAX_NUM_SEQS.value
     budget = _MAX_BATCHED.value
@@ -70,8 +76,8 @@ def build_llm(dtype: str | None, *, max_num_seqs: int | None = None):
     # padded token count costs, so padding a lone decode to 8 tokens would slow the baseline.
     tokens = tuple(int(t) for t in _TOKEN_BUCKETS.value) or tuple(sorted({1, 8, 32, 64, 128, budget}))
     seq_buckets = tuple(int(s) for s in _SEQ_BUCKETS.value) or tuple(sorted({1, 8, seqs}))
-    return LLM(model=_MODEL.value, dtype=dtype, max_num_seqs=seqs, max_num_batched_tokens=budget,
-               max_model_len=1024, token_buckets=tokens, seq_buckets=seq_buckets, progress=False)
+    return LLM(model=_MODEL.value, dtype=dtype or None, max_num_seqs=seqs, max_num_batched_tokens=budget,
+               max_model_len=1024, token_buckets=tokens, seq_buckets=seq_buckets, progress=False, **quant)
 
 
 def fixed_prompts(tokenizer, num_requests: int, prompt_len: int = 0) -> list[list[int]]:
@@ -106,8 +112,9 @@ def main_fixed() -> dict:
     for dtype in dtypes:
         t0 = time.perf_counter()
         llm = build_llm(dtype, max_num_seqs=max(_MAX_NUM_SEQS.value, max(counts)))
-        llms[llm.engine.dtype] = llm
-        print(f"{llm.engine.dtype}: start-up {time.perf_counter() - t0:.1f}s "
+        label = llm.engine.dtype + (dtype[dtype.index(":"):] if dtype and ":" in dtype else "")
+        llms[label] = llm
+        print(f"{label}: start-up {time.perf_counter() - t0:.1f}s "
               f"(compile {llm.engine.compile_seconds:.1f}s)", flush=True)
     for llm in llms.values():
         run_generate(llm, fixed_prompts(llm.engine.tokenizer, 2, _PROMPT_LEN.value), 4)  # warm-up

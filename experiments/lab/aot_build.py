@@ -21,7 +21,13 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
-from engine.config import EngineConfig, resolve_dtype, resolve_layer_loop, resolve_max_model_len
+from engine.config import (
+    EngineConfig,
+    resolve_activation_rows,
+    resolve_dtype,
+    resolve_layer_loop,
+    resolve_max_model_len,
+)
 from engine.step.buckets import Bucket, RunnerShapes, resolve_seq_buckets, resolve_token_buckets
 from engine.step.executables import manifest, save_executables
 from engine.step.kv_cache import bytes_per_block
@@ -33,6 +39,7 @@ from experiments.lab.targets import compile_only_devices, target
 from models.config import ModelConfig
 from models.sharding import KV_CACHE_SPEC, param_specs
 from pallas_kernels import resolve_backend
+from pallas_kernels.kv_quant import allocate_scaled
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -205,7 +212,13 @@ def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: st
     bs = config.block_size
     max_blocks_per_seq = -(-max_model_len // bs)
 
-    params, replicated, kv_sharding, kv_config = _abstract_params(model, dtype, layer_loop, placement, devices[0])
+    activation_rows = resolve_activation_rows(config, platform)
+    if config.kv_cache_dtype != "auto" and backend != "xla":
+        raise ValueError(f"--kv_cache_dtype={config.kv_cache_dtype}: the {backend} kernel does not read an "
+                         "8-bit KV cache yet; pass --attention_backend=xla")
+    quant = dict(quantization=config.quantization, activation_rows=activation_rows)
+    params, replicated, kv_sharding, kv_config = _abstract_params(model, dtype, layer_loop, placement, devices[0],
+                                                                  **quant)
     lora_method = "masked"
     if config.enable_lora:  # the adapter slots join the served weights (engine/lora/slots.py)
         from models.lora import LORA_PRODUCT, allocate_lora_buffers
@@ -223,7 +236,7 @@ def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: st
                                           is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
         params = {**params, "lora": _with_sharding(lora, lora_shardings)}
     weights = tree_bytes_per_device(params)
-    per_block = bytes_per_block(kv_config, bs, dtype) // tp
+    per_block = bytes_per_block(kv_config, bs, dtype, config.kv_cache_dtype) // tp
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
     else:  # engine/step/kv_cache.py num_blocks_for on an accelerator: a fraction of what is free
@@ -238,15 +251,22 @@ def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: st
         logits_per_seq=1 + (spec.num_speculative_tokens if spec is not None else 0),
         prompt_scoring=config.prompt_scoring_bucket)
     kv_leaf = _kv_leaf(kv_config, num_blocks, bs, dtype, backend, kv_sharding)
+    kv_state = (kv_leaf, kv_leaf)
+    if config.kv_cache_dtype != "auto":  # values and scales (pallas_kernels/kv_quant.py), one device
+        scaled = jax.eval_shape(lambda: allocate_scaled(kv_leaf.shape, config.kv_cache_dtype))
+        scaled = _with_sharding(scaled, jax.tree.map(lambda _: kv_sharding, scaled))
+        kv_state = (scaled, scaled)
     table = table_state_spec(shapes)
     table = _with_sharding(table, jax.tree.map(lambda _: replicated, table))
-    state = (params, (kv_leaf, kv_leaf), table)
+    state = (params, kv_state, table)
     keep_hidden = drafting == "draft_head"
     step = make_step(model, shapes, attention_backend=backend, interpret=False,
                      layer_loop=layer_loop, placement=placement, keep_hidden=keep_hidden, lora_method=lora_method)
-    # (The unrolled variants carry no adapter slots: with LoRA no roofline is reported.)
-    cost_model = _LayerCost(model, shapes, backend, dtype, placement_for, devices[0]) \
-        if roofline and platform == "tpu" and layer_loop != "unrolled" and not config.enable_lora else None
+    # (The unrolled variants carry no adapter slots and a plain cache: with LoRA or an 8-bit
+    # cache no roofline is reported.)
+    cost_model = _LayerCost(model, shapes, backend, dtype, placement_for, devices[0], quant) \
+        if (roofline and platform == "tpu" and layer_loop != "unrolled" and not config.enable_lora
+            and config.kv_cache_dtype == "auto") else None
     # Without the unrolled compiles a scanned program's own cost holds one layer: none reported.
     results = _compile_buckets(step, shapes, shapes.all_buckets(), state, replicated, layer_loop=layer_loop,
                                num_layers=model.num_layers, peak=peak, bandwidth=bandwidth,
@@ -261,20 +281,23 @@ def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: st
     transfers = _transfer_programs(config, target_name, kv_leaf, max_blocks_per_seq) if config.disaggregation else []
     meta = manifest(platform=platform, device_kind=devices[0].device_kind, model=model, dtype=dtype,
                     attention_backend=backend, layer_loop=layer_loop, tensor_parallel_size=tp,
-                    shapes=shapes)
+                    shapes=shapes, quantization=config.quantization, activation_rows=activation_rows,
+                    kv_cache_dtype=config.kv_cache_dtype)
     return Build(
         target=target_name, platform=platform, dtype=dtype, attention_backend=backend,
         layer_loop=layer_loop, tensor_parallel_size=tp, max_model_len=max_model_len, block_size=bs,
         num_blocks=num_blocks, hbm_bytes=hbm, usable_bytes=usable, weights_bytes=weights,
-        kv_cache_bytes=2 * _nbytes(kv_leaf), table_bytes=tree_bytes_per_device(table),
+        kv_cache_bytes=tree_bytes_per_device(kv_state), table_bytes=tree_bytes_per_device(table),
         kv_bytes_per_block=per_block, buckets=results, shapes=shapes, manifest=meta,
         transfers=transfers, draft=draft)
 
 
-def _abstract_params(model: ModelConfig, dtype: str, layer_loop: str, placement, device):
+def _abstract_params(model: ModelConfig, dtype: str, layer_loop: str, placement, device, *,
+                     quantization: str | None = None, activation_rows: int | None = None):
     """(weights with their shardings, the replicated sharding, the KV cache's, the per-device
     KV shape's config) as the runner would serve them."""
-    params = served_params_spec(model, dtype=dtype, layer_loop=layer_loop, placement=placement)
+    params = served_params_spec(model, dtype=dtype, layer_loop=layer_loop, placement=placement,
+                                quantization=quantization, activation_rows=activation_rows)
     if placement is None:
         single = SingleDeviceSharding(device)
         return _with_sharding(params, jax.tree.map(lambda _: single, params)), single, single, model
@@ -350,7 +373,7 @@ class _LayerCost:
     step is compiled again unrolled with p and 2p layers (p: the layer pattern's period) and the
     difference, one period's cost, is extrapolated to the model's layer count."""
 
-    def __init__(self, model, shapes, backend, dtype, placement_for, device):
+    def __init__(self, model, shapes, backend, dtype, placement_for, device, quant):
         self.period = model.layer_period
         self.num_layers = model.num_layers
         self.variants = []
@@ -358,7 +381,8 @@ class _LayerCost:
             small = dataclasses.replace(model, num_layers=n,
                                         layer_types=model.layer_types[:n] if model.layer_types else None)
             placement = placement_for(small)
-            params, replicated, kv_sharding, kv_config = _abstract_params(small, dtype, "unrolled", placement, device)
+            params, replicated, kv_sharding, kv_config = _abstract_params(small, dtype, "unrolled", placement, device,
+                                                                          **quant)
             # The real cache: XLA's cost analysis charges a Pallas call by its own cost estimate and
             # operands, so the figures are what it says of the unrolled program (tested against one).
             kv = _kv_leaf(kv_config, shapes.num_blocks, shapes.block_size, dtype, backend, kv_sharding)

@@ -1,0 +1,224 @@
+"""Quantized weights: int8 and fp8 (e4m3) with one scale per output channel, and their products.
+
+Axes: t rows of a product (tokens, or logit rows), i its input, o its output, E experts. Served
+weights are out-major [o, i] (models/served_layout.py), stacked [n, o, i] on a scan over stacked
+layers, [E, o, i] for experts.
+
+1. What is quantized (`quantize_params`, on the served layout, so every projection is already
+   one out-major matrix): qkv_proj, o_proj, gate_up_proj, down_proj, output_proj (an untied
+   lm_head), the experts' experts_gate_up / experts_down, and the embedding table. The embedding
+   is quantized too (per vocabulary row): it is the lm_head of a tied model and 21 % of the
+   default model's weights, so leaving it in float32 would leave int8 at 0.41x float32's bytes
+   instead of 0.25x. Not quantized: norms, biases, the MoE router (E x e, small, and routing is
+   a discrete choice that rounding can flip), anything 1-D.
+2. Scheme: symmetric, one float32 scale per output channel (per row of [o, i]; per (layer, row)
+   stacked; per (expert, row) for experts): int8 s = max|w_row| / 127, q = round(w / s) in
+   [-127, 127]; fp8 s = max|w_row| / 448 (e4m3's largest finite), q = float8_e4m3fn(w / s).
+3. Products (`QuantizedWeight.product`), in one of two forms chosen from the product's static
+   row count t (the compiled bucket fixes t, so each bucket compiles one form, never a device
+   value):
+     weight-only   y = dot(x, convert(q)) * s: the weights are converted to x's dtype inside
+                   the dot (XLA:CPU fuses the convert into the product's loop for a few rows).
+     activations   t >= activation_rows: each row of x is quantized too, with a dynamic scale
+                   sx = max|x_row| / 127 (int8) or / 448 (fp8), y = dot(xq, q) accumulated in
+                   int32 (int8, exact) or float32 (fp8) * sx * s. A row's result depends only on
+                   that row, so batching never changes it.
+   The activation scales are per row, or (activation_group G) per G input channels of a row
+   (y = sum over groups of sx * the group's int32 dot): finer, since one outlier channel of the
+   residual stream coarsens a whole row, but slow on XLA:CPU (see quantize_params).
+   activation_rows is a static field of every QuantizedWeight: None never quantizes activations.
+   The engine sets it per platform from measurement (engine/config.py QUANT_ACTIVATION_ROWS,
+   BUILD_NOTES.md "Quantization").
+4. The embedding lookup (`rows`) gathers quantized rows (fp8 as its bits) and their scales.
+
+`QuantizedWeight.dtype` is the float dtype the weight stands for (the model's dtype, what the
+products return to and what a dequantized copy would be), so code that asks a weight for the
+model's dtype (models/llama.py) works unchanged; the stored dtype is `q.dtype`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+QUANTIZATIONS = ("int8", "fp8")
+# quantize_params(activation_group=G): activations quantized with one scale per G input channels
+# of a row (where G divides the product's input width). On the default model per-row scales cost
+# 3.2 % perplexity (the residual stream's outlier channels coarsen the whole row), groups of 64
+# 0.0 %; but XLA:CPU runs the grouped (batched) int8 dot 1.5-8x slower than float32, against 3x
+# faster per row, so the engine uses per-row scales (BUILD_NOTES.md "Quantization").
+_QMAX = {"int8": 127.0, "fp8": 448.0}
+_STORED = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+# The served layout's weight matrices that are quantized (models/llama.py SERVED_PRODUCTS and
+# GROUPED_PRODUCTS, plus the tables); the router stays float.
+QUANTIZED_LAYER_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "experts_gate_up",
+                           "experts_down")
+QUANTIZED_TOP_WEIGHTS = ("embed", "output_proj")
+_GROUPED_OUT_MAJOR = jax.lax.RaggedDotDimensionNumbers(  # as models/moe.py's grouped product
+    dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+    """An out-major weight [..., o, i] as q (int8 or float8_e4m3fn) times scale [..., o]."""
+
+    q: jax.Array  # int8 | float8_e4m3fn [..., o, i]
+    scale: jax.Array  # float32 [..., o]
+    dtype_name: str = dataclasses.field(metadata=dict(static=True), default="float32")
+    activation_rows: int | None = dataclasses.field(metadata=dict(static=True), default=None)
+    # Activation scales per this many input channels of a row (None: one per row); must divide i.
+    activation_group: int | None = dataclasses.field(metadata=dict(static=True), default=None)
+
+    @property
+    def dtype(self):
+        """The float dtype this weight stands for (the model's); q.dtype is what is stored."""
+        return jnp.dtype(self.dtype_name)
+
+    @property
+    def shape(self):
+        return self.q.shape
+
+    @property
+    def ndim(self):
+        return self.q.ndim
+
+    @property
+    def method(self) -> str:
+        return "int8" if self.q.dtype == jnp.int8 else "fp8"
+
+    def dequantize(self) -> jax.Array:
+        return (self.q.astype(jnp.float32) * self.scale[..., None]).astype(self.dtype)
+
+    def quantizes_activations(self, num_rows: int) -> bool:
+        return self.activation_rows is not None and num_rows >= self.activation_rows
+
+    def product(self, spec: str, x: jax.Array) -> jax.Array:
+        """x [t, i] times this [o, i] weight -> float32 [t, o]; spec is the served layout's
+        einsum ("te,ne->tn", "tf,ef->te", ...), which must contract x's and the weight's last
+        axes."""
+        inputs, out = spec.split("->")
+        lhs, rhs = inputs.split(",")
+        if len(lhs) != 2 or len(rhs) != 2 or lhs[1] != rhs[1] or out != lhs[0] + rhs[0] or self.q.ndim != 2:
+            raise ValueError(f"a quantized weight takes an out-major product x[t, i] . w[o, i]; got "
+                             f"spec {spec!r} for a weight of shape {tuple(self.q.shape)}")
+        if self.quantizes_activations(x.shape[0]) and self.activation_group:
+            return self._grouped_activation_product(x)
+        if self.quantizes_activations(x.shape[0]):
+            xq, sx = quantize_rows(x, self.method)
+            rows = xq.shape[0]
+            if rows == 1:  # XLA:CPU runs a one-row int8 dot on a slow path: a zero row keeps it fast
+                xq = jnp.concatenate([xq, jnp.zeros_like(xq)])
+            acc = jnp.int32 if self.method == "int8" else jnp.float32
+            y = jax.lax.dot_general(xq, self.q, (((1,), (1,)), ((), ())), preferred_element_type=acc)
+            return y[:rows].astype(jnp.float32) * sx * self.scale[None, :]
+        # Written as x . (q^T converted): XLA:CPU then fuses the transpose and the convert into
+        # the product's loop and reads the int8 weight once (the same product contracted on q's
+        # last axis converted the whole weight to float first: 5x slower at one row).
+        x = x.astype(self.dtype)
+        y = jnp.dot(x, self.q.T.astype(self.dtype), preferred_element_type=jnp.float32)
+        return y * self.scale[None, :]
+
+    def _grouped_activation_product(self, x):
+        """Activations quantized per group of `activation_group` input channels: one outlier
+        channel coarsens only its group. y = sum_g sx[t, g] * (xq[t, g, :] . q[o, g, :])."""
+        t, i = x.shape
+        g = self.activation_group
+        if i % g:
+            raise ValueError(f"activation_group={g} must divide the input width {i}")
+        xq, sx = quantize_rows(x.reshape(t, i // g, g), self.method)  # [t, G, g], [t, G, 1]
+        rows = t
+        if t == 1:
+            xq, sx = jnp.concatenate([xq, jnp.zeros_like(xq)]), jnp.concatenate([sx, sx])
+        acc = jnp.int32 if self.method == "int8" else jnp.float32
+        q = self.q.reshape(self.q.shape[0], i // g, g)
+        y = jax.lax.dot_general(xq, q, (((2,), (2,)), ((1,), (1,))), preferred_element_type=acc)  # [G, t, o]
+        y = jnp.sum(y.astype(jnp.float32) * jnp.swapaxes(sx, 0, 1), axis=0)
+        return y[:rows] * self.scale[None, :]
+
+    def grouped_product(self, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        """rows [a, i] sorted by group times this [G, o, i] weight -> float32 [a, o] (weight-only:
+        models/moe.py's grouped product with each row's output scaled by its group's scales)."""
+        y = jax.lax.ragged_dot_general(rows.astype(self.dtype), self.q.astype(self.dtype), group_sizes,
+                                       _GROUPED_OUT_MAJOR, preferred_element_type=jnp.float32)
+        ends = jnp.cumsum(group_sizes)
+        group = jnp.searchsorted(ends, jnp.arange(rows.shape[0], dtype=ends.dtype), side="right")
+        group = jnp.minimum(group, self.q.shape[0] - 1)  # rows past the groups are zero already
+        return y * self.scale[group]
+
+    def rows(self, ids: jax.Array) -> jax.Array:
+        """Rows `ids` of a [v, e] table, dequantized, float32 [len(ids), e] (an embedding lookup;
+        fp8 gathered as its bits, as layers.embed_tokens gathers 16-bit tables)."""
+        if self.q.dtype == jnp.int8:
+            rows = self.q[ids].astype(jnp.float32)
+        else:
+            bits = jax.lax.bitcast_convert_type(self.q, jnp.uint8)[ids]
+            rows = jax.lax.bitcast_convert_type(bits, self.q.dtype).astype(jnp.float32)
+        return (rows * self.scale[ids][:, None]).astype(self.dtype).astype(jnp.float32)
+
+
+def quantize_rows(x: jax.Array, method: str) -> tuple[jax.Array, jax.Array]:
+    """x [t, i] -> (xq [t, i] int8 | float8_e4m3fn, scale float32 [t, 1]): per row, symmetric,
+    dynamic (max|x_row| / qmax; an all-zero row gets scale 1)."""
+    x = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    scale = jnp.where(amax > 0, amax / _QMAX[method], 1.0)
+    return _to_stored(x / scale, method), scale
+
+
+def _to_stored(x, method):
+    if method == "int8":
+        return jnp.clip(jnp.round(x), -127, 127).astype(jnp.int8)
+    return jnp.clip(x, -448.0, 448.0).astype(jnp.float8_e4m3fn)
+
+
+def quantize_weight(w: jax.Array, method: str, *, activation_rows: int | None = None,
+                    activation_group: int | None = None) -> QuantizedWeight:
+    """An out-major float weight [..., o, i] -> QuantizedWeight (per output channel, symmetric)."""
+    if method not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {method!r}")
+    w = jnp.asarray(w)
+    w32 = w.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(w32), axis=-1)
+    scale = jnp.where(amax > 0, amax / _QMAX[method], 1.0)
+    q = _to_stored(w32 / scale[..., None], method)
+    return QuantizedWeight(q, scale, jnp.dtype(w.dtype).name, activation_rows, activation_group)
+
+
+def quantize_params(params: dict, method: str | None, *, activation_rows: int | None = None,
+                    activation_group: int | None = None) -> dict:
+    """The served layout (models/served_layout.py; layers a list or a stacked dict) with its
+    weight matrices quantized (module docstring, 1.). method None returns params unchanged."""
+    if method is None:
+        return params
+    if any(getattr(w, "dtype", None) == jnp.uint16 for w in jax.tree.leaves(params["layers"])):
+        raise ValueError("quantize_params takes float weights; these layers hold 16-bit bits "
+                         "(pack_layer_bits): quantize before packing (engine/step/program.py serve_layout)")
+    if method not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {method!r}")
+    def quantize(w):
+        group = activation_group if activation_group and w.shape[-1] % activation_group == 0 else None
+        return _quantize_jit(w, method, activation_rows, group)
+
+    def layer(d: dict) -> dict:
+        if "qkv_proj" not in d:
+            raise ValueError("quantize_params takes the served layout (fuse_projections first); got "
+                             f"layer weights {sorted(d)}")
+        return {k: quantize(w) if k in QUANTIZED_LAYER_WEIGHTS else w for k, w in d.items()}
+
+    layers = params["layers"]
+    out = {k: quantize(w) if k in QUANTIZED_TOP_WEIGHTS else w for k, w in params.items() if k != "layers"}
+    out["layers"] = [layer(d) for d in layers] if isinstance(layers, list) else layer(layers)
+    return out
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _quantize_jit(w, method, activation_rows, activation_group):
+    return quantize_weight(w, method, activation_rows=activation_rows, activation_group=activation_group)
+
+
+def is_quantized(w) -> bool:
+    return isinstance(w, QuantizedWeight)

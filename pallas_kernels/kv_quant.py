@@ -1,0 +1,136 @@
+"""An 8-bit paged KV cache: int8 or fp8 (e4m3) values with one scale per token and kv head.
+
+Layout (`ScaledCache`, one for K and one for V):
+  values  [L, num_blocks, block_size, Hkv, D]  int8 (kv_cache_dtype "int8") or uint8 holding
+          float8_e4m3fn bits ("fp8_e4m3")
+  scales  [L, num_blocks, block_size, Hkv]     uint16 holding bfloat16 bits
+Both are integer arrays on purpose: XLA:CPU scatters integers in place, and converting a scattered
+bits array back to a float type copied the whole cache (kv_write.py); readers bitcast after the
+gather (free). Slots, blocks and the null block are those of the float cache (kv_write.py).
+
+Scheme: for each written token t and kv head h, s = max_d |x[t, h, d]| / qmax (qmax 127 for int8,
+448 for e4m3), rounded to bfloat16 first, and x is stored as round(x / s) (int8, clipped to
+[-127, 127]) or as e4m3(x / s); a reader computes values * s in float32. Rounding the scale
+first keeps writer and reader on the same s, so bfloat16 costs no accuracy, only range: the
+reconstruction error stays under s / 2 (int8). An all-zero row (padding) gets s = 1.
+
+Why per token and kv head, not per block: a token's scale is fixed when it is written, so every
+write is one scatter of the new rows (values and scales) and no block is ever re-quantized as it
+fills; a per-block scale would have to grow with the block's largest value (re-quantizing the
+block's earlier tokens, or clipping them). Its cost is the scales' bytes: 2 per token and kv
+head, 3 % of an 8-bit token of head_dim 64 (KV bytes per token 0.52x bfloat16's, blocks that fit
+1.94x; head_dim 128: 0.51x, 1.97x).
+
+Backends: the xla path reads it (xla.py PagedKV); write_kv writes it on the xla and pallas_gpu
+paths (one scatter per array). The Pallas TPU and GPU attention kernels do not read it yet: they
+refuse it by name (attention.py), and the engine refuses kv_cache_dtype != "auto" with them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")  # vLLM's names ("auto": the model's dtype)
+_QMAX = {"int8": 127.0, "fp8_e4m3": 448.0}
+_STORED = {"int8": jnp.int8, "fp8_e4m3": jnp.uint8}
+SCALE_BYTES = 2  # one bfloat16 scale per token and kv head
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ScaledCache:
+    """One of K or V of an 8-bit cache: values and their per-(token, kv head) scales."""
+
+    values: jax.Array  # int8 | uint8 (e4m3 bits) [L, num_blocks, block_size, Hkv, D]
+    scales: jax.Array  # uint16 (bfloat16 bits) [L, num_blocks, block_size, Hkv]
+    kv_cache_dtype: str = dataclasses.field(metadata=dict(static=True), default="int8")
+
+    @property
+    def shape(self):
+        return self.values.shape
+
+    @property
+    def dtype(self):
+        return self.values.dtype
+
+    @property
+    def ndim(self):
+        return self.values.ndim
+
+    def is_deleted(self) -> bool:
+        return self.values.is_deleted() or self.scales.is_deleted()
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {kv_cache_dtype!r}")
+
+
+def bytes_per_value_and_scale(kv_cache_dtype: str, model_itemsize: int, head_dim: int) -> float:
+    """Bytes of one token's K (or V) for one kv head: head_dim values, plus the scale."""
+    check_kv_cache_dtype(kv_cache_dtype)
+    if kv_cache_dtype == "auto":
+        return head_dim * model_itemsize
+    return head_dim + SCALE_BYTES
+
+
+def allocate_scaled(shape: tuple[int, ...], kv_cache_dtype: str) -> ScaledCache:
+    """A zeroed ScaledCache of values shape [L, num_blocks, block_size, Hkv, D]."""
+    check_kv_cache_dtype(kv_cache_dtype)
+    if kv_cache_dtype == "auto":
+        raise ValueError("allocate_scaled makes an 8-bit cache; kv_cache_dtype 'auto' is the float cache")
+    return ScaledCache(jnp.zeros(shape, _STORED[kv_cache_dtype]), jnp.zeros(shape[:-1], jnp.uint16),
+                       kv_cache_dtype)
+
+
+def quantize_kv(x: jax.Array, kv_cache_dtype: str) -> tuple[jax.Array, jax.Array]:
+    """x [..., Hkv, D] (float) -> (stored values [..., Hkv, D], scale bits uint16 [..., Hkv])."""
+    x = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=-1)
+    scale = jnp.where(amax > 0, amax / _QMAX[kv_cache_dtype], 1.0).astype(jnp.bfloat16)
+    scaled = x / scale.astype(jnp.float32)[..., None]
+    if kv_cache_dtype == "int8":
+        values = jnp.clip(jnp.round(scaled), -127, 127).astype(jnp.int8)
+    else:
+        values = jax.lax.bitcast_convert_type(
+            jnp.clip(scaled, -448.0, 448.0).astype(jnp.float8_e4m3fn), jnp.uint8)
+    return values, jax.lax.bitcast_convert_type(scale, jnp.uint16)
+
+
+def dequantize_kv(values: jax.Array, scale_bits: jax.Array, kv_cache_dtype: str) -> jax.Array:
+    """Stored values [..., Hkv, D] and scale bits [..., Hkv] -> float32 [..., Hkv, D]."""
+    if kv_cache_dtype == "fp8_e4m3":
+        values = jax.lax.bitcast_convert_type(values, jnp.float8_e4m3fn)
+    scale = jax.lax.bitcast_convert_type(scale_bits, jnp.bfloat16).astype(jnp.float32)
+    return values.astype(jnp.float32) * scale[..., None]
+
+
+def fake_quantize_kv(x: jax.Array, kv_cache_dtype: str) -> jax.Array:
+    """x [..., Hkv, D] as an 8-bit cache would give it back (float32; "auto": unchanged): the
+    dense oracle's K and V (models/llama.py forward_dense)."""
+    check_kv_cache_dtype(kv_cache_dtype)
+    if kv_cache_dtype == "auto":
+        return x
+    return dequantize_kv(*quantize_kv(x, kv_cache_dtype), kv_cache_dtype)
+
+
+def check_scaled_pair(k_cache: ScaledCache, v_cache: ScaledCache) -> None:
+    """Both halves of one 8-bit cache, with matching values and scales."""
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(c, ScaledCache):
+            raise ValueError(f"an 8-bit cache is a ScaledCache for K and for V; {name} is {type(c).__name__}")
+        want = _STORED.get(c.kv_cache_dtype)
+        if want is None or c.values.dtype != want or c.scales.dtype != jnp.uint16:
+            raise ValueError(f"{name}: kv_cache_dtype {c.kv_cache_dtype!r} stores values "
+                             f"{jnp.dtype(want).name if want else '?'} and uint16 scales; got values "
+                             f"{c.values.dtype}, scales {c.scales.dtype}")
+        if tuple(c.scales.shape) != tuple(c.values.shape[:-1]):
+            raise ValueError(f"{name}: scales must be values' shape without head_dim; got values"
+                             f"{tuple(c.values.shape)}, scales{tuple(c.scales.shape)}")
+    if (k_cache.kv_cache_dtype != v_cache.kv_cache_dtype
+            or tuple(k_cache.values.shape) != tuple(v_cache.values.shape)):
+        raise ValueError(f"k_cache and v_cache must match: {k_cache.kv_cache_dtype} "
+                         f"{tuple(k_cache.values.shape)} vs {v_cache.kv_cache_dtype} {tuple(v_cache.values.shape)}")

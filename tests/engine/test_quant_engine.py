@@ -1,0 +1,113 @@
+"""The engine with int8 weights and an int8 KV cache (random:tiny): greedy output equals the dense
+oracle with the same quantization, alone, batched, chunked with prefix caching, and preempted; the
+cache's scales are donated with it; knobs refused by name.
+
+The engine pins the int8 x int8 form for every bucket (quantization_activation_rows=0): the CPU's
+per-bucket rule runs one-row steps weight-only, another rounding than the batched buckets, so
+batch invariance holds per form, and across forms only outside near-ties (the default-model
+quality test, tests/models/test_quant_quality.py). The weight-only form is checked against the
+dense oracle at the model level (tests/models/test_quant.py).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from engine.config import EngineConfig
+from engine.sampling_params import SamplingParams
+from models.llama import forward_dense
+from pallas_kernels.kv_quant import ScaledCache
+from tests.engine.conftest import TINY_KNOBS, run_to_completion, scheduler_as
+
+KNOBS = dict(TINY_KNOBS, quantization="int8", quantization_activation_rows=0, kv_cache_dtype="int8",
+             token_buckets=(1, 64), max_model_len=128, prompt_scoring_bucket=False)
+NEW_TOKENS = 10
+PROMPTS = [[(7 * i + 3 * j) % 250 + 1 for j in range(n)] for i, n in enumerate((40, 23, 9, 33, 17, 50))]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from engine.core.llm_engine import LLMEngine
+
+    return LLMEngine(EngineConfig(**KNOBS), progress=False)
+
+
+@pytest.fixture(scope="module")
+def together(engine):
+    with scheduler_as(engine, enable_prefix_caching=False):
+        outs = run_to_completion(engine, [(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)])
+    tokens = [outs[f"r{i}"].outputs[0].token_ids for i in range(len(PROMPTS))]
+    forward = jax.jit(lambda p, ids: forward_dense(p, engine.model_config, ids, kv_cache_dtype="int8"))
+    for p, toks in zip(PROMPTS, tokens):
+        ids = np.zeros(64, np.int32)
+        ids[: len(p) + NEW_TOKENS] = p + toks
+        logits = np.asarray(forward(engine.runner.params, jnp.asarray(ids)))
+        assert toks == np.argmax(logits[len(p) - 1 : len(p) - 1 + NEW_TOKENS], axis=-1).tolist()
+    return tokens
+
+
+def test_the_engine_serves_int8_weights_and_an_int8_cache(engine):
+    k_cache, v_cache = engine.runner.kv_cache
+    assert isinstance(k_cache, ScaledCache) and k_cache.values.dtype == jnp.int8
+    assert engine.runner.params["layers"][0]["qkv_proj"].q.dtype == jnp.int8
+    stats = engine.get_stats()
+    config = engine.model_config
+    assert stats.weight_bytes_per_device[0] < 0.3 * config.num_params * 4  # tiny: scales are 6 %
+    # values 1 byte, one bfloat16 scale per token and kv head, blocks x block_size tokens
+    per_token = 2 * config.num_layers * config.num_kv_heads * (config.head_dim + 2)
+    assert stats.kv_cache_bytes_per_device[0] == engine.runner.shapes.num_blocks * 16 * per_token
+
+
+def test_batched_equals_dense_and_alone(engine, together):
+    with scheduler_as(engine, enable_prefix_caching=False):
+        for i in (0, 2):
+            out = run_to_completion(engine, [(f"a{i}", PROMPTS[i], GREEDY)])[f"a{i}"]
+            assert out.outputs[0].token_ids == together[i]
+
+
+def test_chunked_prefix_cached_and_preempted(engine, together):
+    shared = [PROMPTS[5][:32] + p for p in PROMPTS[:3]]  # two full blocks in common
+    with scheduler_as(engine, enable_prefix_caching=False):
+        base = run_to_completion(engine, [(f"b{i}", p, GREEDY) for i, p in enumerate(shared)])
+    with scheduler_as(engine, enable_prefix_caching=True, max_num_batched_tokens=16) as sched:
+        first = run_to_completion(engine, [("c0", shared[0], GREEDY)])
+        rest = run_to_completion(engine, [(f"c{i}", p, GREEDY) for i, p in enumerate(shared) if i])
+        assert sched.stats.prefix_cache_hits > 0
+    rest.update(first)
+    assert [rest[f"c{i}"].outputs[0].token_ids for i in range(3)] == [base[f"b{i}"].outputs[0].token_ids
+                                                                     for i in range(3)]
+    with scheduler_as(engine, enable_prefix_caching=False, num_kv_blocks=9) as sched:
+        outs = run_to_completion(engine, [(f"s{i}", p, GREEDY) for i, p in enumerate(PROMPTS)])
+        assert sched.stats.num_preemptions > 0
+    assert [outs[f"s{i}"].outputs[0].token_ids for i in range(len(PROMPTS))] == together
+
+
+def test_the_cache_and_its_scales_are_donated(engine):
+    from engine.step.buckets import Bucket
+
+    hlo = engine.runner._compiled[Bucket(64, 16, 16)].as_text()
+    # K and V values, K and V scales, and the request table's arrays alias outputs.
+    assert hlo.count("may-alias") + hlo.count("must-alias") >= 4 + 10
+
+
+@pytest.mark.parametrize("knobs,match", [
+    (dict(quantization="int4"), "quantization must be one of int8, fp8"),
+    (dict(kv_cache_dtype="fp8_e5m2"), "kv_cache_dtype must be one of auto, int8, fp8_e4m3"),
+    (dict(quantization_activation_rows=4), "needs quantization"),
+    (dict(quantization="int8", quantization_activation_rows=-1), "non-negative"),
+    (dict(quantization="int8", tensor_parallel_size=2), "not implemented on a mesh"),
+    (dict(kv_cache_dtype="int8", data_parallel_size=2), "not implemented on a mesh"),
+])
+def test_knobs_are_refused_by_name(knobs, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(model="random:tiny", **knobs)
+
+
+def test_pallas_backends_refuse_an_8bit_cache_before_loading():
+    from engine.core.llm_engine import LLMEngine
+
+    with pytest.raises(ValueError, match="does not read an 8-bit KV cache"):
+        LLMEngine(EngineConfig(**dict(TINY_KNOBS, kv_cache_dtype="int8", attention_backend="pallas",
+                                      interpret=True)), progress=False)
