@@ -42,12 +42,16 @@ from absl import app, flags
 
 from experiments.lab.reference_fixture import dense_logits, load_reference
 
-_CONFIGS = flags.DEFINE_list("configs", ["int8", "int8-weight-only", "fp8", "kv-int8", "kv-fp8_e4m3"],
-                             "Configurations to compare with float32 (names in the module docstring).")
-_NEAR_TIE = flags.DEFINE_float("near_tie", 0.5, "A reference top-2 margin below this is a near-tie "
-                                "(experiments.bench.bf16_agreement's default).")
-_PPL_TOKENS = flags.DEFINE_integer("ppl_tokens", 512, "Tokens of held-out text for the perplexity.")
-_JSON = flags.DEFINE_string("json", None, "Write the result here as JSON.")
+
+def define_flags() -> None:
+    """Flags, defined only when run as a program (tests import this module beside
+    experiments.bench.bf16_agreement, which defines --near_tie too)."""
+    flags.DEFINE_list("configs", ["int8", "int8-weight-only", "fp8", "kv-int8", "kv-fp8_e4m3"],
+                      "Configurations to compare with float32 (names in the module docstring).")
+    flags.DEFINE_float("near_tie", 0.5, "A reference top-2 margin below this is a near-tie "
+                       "(experiments.bench.bf16_agreement's default).")
+    flags.DEFINE_integer("ppl_tokens", 512, "Tokens of held-out text for the perplexity.")
+    flags.DEFINE_string("json", None, "Write the result here as JSON.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,8 +166,9 @@ def compare(names: Sequence[str], *, near_tie: float, ppl_tokens: int, prompts=N
 
 def main(argv: Sequence[str]) -> None:
     del argv
-    results = compare(_CONFIGS.value, near_tie=_NEAR_TIE.value, ppl_tokens=_PPL_TOKENS.value)
-    near = _NEAR_TIE.value
+    f = flags.FLAGS
+    results = compare(f.configs, near_tie=f.near_tie, ppl_tokens=f.ppl_tokens)
+    near = f.near_tie
     print(f"| config | agree (all) | agree (margin >= {near:g}) | perplexity | ratio to float32 | "
           "first disagreements (step: reference margin) |")
     print("| --- | --- | --- | --- | --- | --- |")
@@ -172,10 +177,11 @@ def main(argv: Sequence[str]) -> None:
                            for p in r["prompts"] if p["first_disagreement"] is not None) or "none"
         print(f"| {name} | {r['agree']}/{r['positions']} | {r['clear_agree']}/{r['clear_positions']} | "
               f"{r['perplexity']:.3f} | {r['perplexity_ratio']:.4f} | {firsts} |")
-    if _JSON.value:
-        with open(_JSON.value, "w") as f:
-            json.dump(results, f, indent=1)
+    if f.json:
+        with open(f.json, "w") as out:
+            json.dump(results, out, indent=1)
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

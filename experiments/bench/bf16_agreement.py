@@ -18,7 +18,10 @@ from absl import app, flags
 
 from experiments.lab.reference_fixture import dense_logits, load_reference
 
-_NEAR_TIE = flags.DEFINE_float("near_tie", 0.5, "A reference top-2 margin below this is a near-tie.")
+
+def define_flags() -> None:
+    """Defined only when run as a program (tests import this module beside others)."""
+    flags.DEFINE_float("near_tie", 0.5, "A reference top-2 margin below this is a near-tie.")
 
 
 def agreement(near_tie: float) -> dict:
@@ -55,7 +58,7 @@ def agreement(near_tie: float) -> dict:
 
 def main(argv: Sequence[str]) -> None:
     del argv
-    result = agreement(_NEAR_TIE.value)
+    result = agreement(flags.FLAGS.near_tie)
     for r in result["prompts"]:
         first = "none" if r["first_disagreement"] is None else (
             f"step {r['first_disagreement']} (reference margin {r['margin_there']:.3f})")
@@ -65,4 +68,5 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

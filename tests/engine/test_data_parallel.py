@@ -11,6 +11,9 @@ from engine.metrics import ServerMetrics
 from engine.sampling_params import SamplingParams
 from tests.engine.conftest import run_to_completion
 
+# Data parallel over 4 virtual devices: make test-extended (CI runs it after make test).
+pytestmark = pytest.mark.extended
+
 KNOBS = dict(model="random:tiny-gqa3", max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
              num_kv_blocks=64, token_buckets=(16, 64), seq_buckets=(8,), compilation_cache_dir=None,
              prompt_scoring_bucket=False)

@@ -20,6 +20,9 @@ from engine.step.buckets import Bucket, RunnerShapes
 from engine.step.model_runner import num_backend_compilations
 from scheduler import Request, Scheduler, SchedulerConfig, StepResult
 
+# Prompt scoring under a 16-request load (issue 32): make test-extended (CI runs it after make test).
+pytestmark = pytest.mark.extended
+
 NUM_DECODES = 19
 BUDGET = 256
 PROMPT_LEN = 720

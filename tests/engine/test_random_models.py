@@ -8,6 +8,9 @@ import sentencepiece
 
 from engine import LLM, SamplingParams
 
+# Random models with trained tokenizers end to end: make test-extended (CI runs it after make test).
+pytestmark = pytest.mark.extended
+
 WORDS = ["alpha", "beta", "gamma", "delta", "river", "stone", "light", "paper", "seven", "green"]
 
 

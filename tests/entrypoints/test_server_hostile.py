@@ -280,6 +280,7 @@ def _prompt_tokens(proc, messages) -> int:
     return json.loads(text)["usage"]["prompt_tokens"]
 
 
+@pytest.mark.extended  # make test-extended (CI runs it after make test)
 def test_real_tokenizer_health_during_a_huge_prompt_and_chat_control_tokens(real_tokenizer):
     proc = ServerProcess("--fake_step_sleep=0.001", "--fake_tokenizer=default", "--max_body_bytes=16000000",
                          "--max_model_len=512").start()

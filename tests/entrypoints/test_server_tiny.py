@@ -25,6 +25,10 @@ TINY_FLAGS = (
 GREEDY = {"prompt": "The reference prompt", "max_tokens": 16, "temperature": 0}
 
 
+# A real server on random:tiny: make test-extended (CI runs it after make test).
+pytestmark = pytest.mark.extended
+
+
 @pytest.fixture(scope="module")
 def server():
     proc = ServerProcess(*TINY_FLAGS, fake=False, startup_timeout=600).start()
@@ -42,7 +46,6 @@ def _greedy(server) -> str:
     return json.loads(text)["choices"][0]["text"]
 
 
-@pytest.mark.extended  # test_server_hostile.py covers them piecewise; make test-extended (CI runs it after make test)
 def test_hostile_inputs_end_to_end(server):
     reference = _greedy(server)
     for name, path, body in CASES:

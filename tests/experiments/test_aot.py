@@ -64,6 +64,7 @@ def test_report_keys_and_the_capacity_figures(cpu_tp2):
     assert "FITS" in aot.format_report(r)
 
 
+@pytest.mark.extended  # make test-extended (CI runs it after make test)
 def test_a_configuration_that_does_not_fit_is_a_report():
     config = EngineConfig(model="random:tiny", num_kv_blocks=2**22, **SMALL)  # 32 GiB of KV
     build = compile_for_target(config, TINY, "cpu", progress=None)
@@ -71,6 +72,7 @@ def test_a_configuration_that_does_not_fit_is_a_report():
     assert "DOES NOT FIT" in aot.format_report(aot.report(build, TINY, config))
 
 
+@pytest.mark.extended  # make test-extended (CI runs it after make test)
 def test_disaggregation_compiles_the_kv_gather_and_scatter():
     config = EngineConfig(model="random:tiny", disaggregation="prefill:1,decode:1", **SMALL)
     build = compile_for_target(config, TINY, "cpu", progress=None)

@@ -9,6 +9,9 @@ from experiments.lab import engine_replay, metrics, report
 from experiments.lab.datasets import SampleRequest
 from experiments.lab.engine_replay import ReplayConfig
 
+# The lab replay end to end: make test-extended (CI runs it after make test).
+pytestmark = pytest.mark.extended
+
 
 @pytest.fixture(scope="module")
 def engine():

@@ -10,6 +10,11 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
+# A short soak against a real server: make test-extended (CI runs it after make test).
+pytestmark = pytest.mark.extended
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CACHE = os.environ.get("JAXSERVE_COMPILATION_CACHE", str(ROOT / ".cache" / "jax"))
 

@@ -11,7 +11,8 @@ from engine.sampling_params import SamplingParams
 from tests.engine.conftest import run_to_completion
 from tests.engine.test_tensor_parallel import _collectives
 
-pytestmark = pytest.mark.usefixtures("fast_compile")
+# Tensor and expert parallel over virtual devices: make test-extended (CI runs it after make test).
+pytestmark = [pytest.mark.usefixtures("fast_compile"), pytest.mark.extended]
 KNOBS = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, num_kv_blocks=40,
              token_buckets=(16,), seq_buckets=(4,), compilation_cache_dir=None,
              prompt_scoring_bucket=False)

@@ -14,6 +14,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "entrypoints"))
 from server_launcher import ServerProcess, http  # noqa: E402
 
+# Transformers-saved folders through the server: make test-extended (CI runs it after make test).
+pytestmark = pytest.mark.extended
+
 FOLDER = ROOT / "tests" / "fixtures" / "hf_family" / "mixtral"
 CHAT = json.loads((FOLDER.parent / "reference.json").read_text())["chat"]
 FLAGS = (f"--model={FOLDER}", "--max_num_seqs=2", "--max_num_batched_tokens=16", "--max_model_len=64",

@@ -76,6 +76,7 @@ def test_the_reported_model_reads_its_rope_and_head_dim():
     assert read_hf_config(FIXTURES / "qwen2_bias").attention_bias
 
 
+@pytest.mark.extended  # make test-extended (CI runs it after make test)
 @pytest.mark.parametrize("name", ["llama_theta5e5", "mistral_window"])
 def test_engine_serves_the_folder_with_transformers_greedy_tokens(name):
     from engine import LLM, SamplingParams
