@@ -53,6 +53,16 @@ def fast_compile(monkeypatch):
     yield
 
 
+@pytest.fixture
+def no_persistent_cache():
+    """Executables for compile-only devices (the TPU and GPU targets) cannot be loaded back from
+    the persistent cache this file turns on: neither write them there nor try to read them."""
+    enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    yield
+    jax.config.update("jax_enable_compilation_cache", enabled)
+
+
 # Modules that share the session-scoped compiled engines of tests/engine/conftest.py (the default
 # model, random:tiny, random:tiny with speculation): one pytest-xdist work unit, so one worker
 # compiles each engine once instead of every worker compiling it again.

@@ -105,17 +105,6 @@ def test_too_few_devices_is_named():
 
 # ---- the device compilers (make aot-setup; make aot-test) --------------------------------------
 
-@pytest.fixture
-def no_persistent_cache():
-    """Executables for compile-only devices cannot be loaded back from the persistent cache
-    (tests/conftest.py turns it on): neither write them there nor try to read them."""
-    import jax
-
-    enabled = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    yield
-    jax.config.update("jax_enable_compilation_cache", enabled)
-
 
 @pytest.mark.aot
 @pytest.mark.usefixtures("no_persistent_cache")
