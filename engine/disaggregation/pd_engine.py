@@ -59,20 +59,16 @@ from engine.config import EngineConfig
 from engine.core.engine_stats import EngineDeadError, EngineStats
 from engine.core.llm_engine import LLMEngine
 from engine.core.request_state import Resume
+from engine.disaggregation import pd_stats
 from engine.disaggregation.local_pool import DecodePool, failed_output
+from engine.disaggregation.pd_stats import transfer_stats
 from engine.errors import ParamError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from scheduler import block_pool
 from scheduler.block_pool import hash_block_tokens
 
-# Summed over the pools in the aggregate EngineStats (prompt and generated tokens are counted
-# where they are made: prompts in the prefill pool, first tokens there, the rest in decode).
-_SUMMED = ("num_running", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
-           "num_generation_tokens", "num_steps", "num_free_blocks", "num_cached_blocks", "num_failed_steps",
-           "num_constrained_requests", "num_grammars_compiled", "grammar_compile_seconds", "mask_fill_seconds",
-           "num_mask_steps")
-POOLS = ("prefill", "decode")
+POOLS = pd_stats.POOLS
 logger = logging.getLogger(__name__)
 
 
@@ -478,24 +474,6 @@ class PDEngine:
             except EngineDeadError as exc:  # (a call only before its first step)
                 self._degrade(exc)
                 decode = self._lost_stats
-        per = [self.prefill.get_stats()]
-        per.append(decode if decode is not None else dataclasses.replace(
-            per[0], **dict.fromkeys(_SUMMED, 0), num_waiting=0, kv_cache_usage=0.0, padded_token_fraction=0.0))
-        total = {name: sum(getattr(s, name) for s in per) for name in _SUMMED}
-        return dataclasses.replace(
-            per[0], **total, num_prompt_tokens=per[0].num_prompt_tokens,
-            num_waiting=per[0].num_waiting + per[1].num_waiting,
-            kv_cache_usage=sum(s.kv_cache_usage for s in per) / 2,
-            padded_token_fraction=sum(s.padded_token_fraction for s in per) / 2,
-            weight_bytes_per_device=tuple(b for s in per for b in s.weight_bytes_per_device),
-            kv_cache_bytes_per_device=tuple(b for s in per for b in s.kv_cache_bytes_per_device),
-            spec_decode=None, replicas=tuple(per), pool_names=POOLS, kv_transfer=self._transfer_stats(),
-            num_pending_transfers=0 if self.degraded_reason else self.decode.num_pending,
-            degraded_reason=self.degraded_reason)
-
-    def _transfer_stats(self):
-        stats = self.clock.snapshot()
-        if not isinstance(self.decode, DecodePool):  # timed and decided where they land: in the decode process
-            stats.seconds, stats.num_landed = self.decode.pull_seconds, self.decode.num_pulled
-            stats.num_fallbacks = self.decode.num_fallbacks
-        return stats
+        return pd_stats.aggregate(self.prefill.get_stats(), decode, transfer_stats(self.clock, self.decode),
+                                  num_pending_transfers=0 if self.degraded_reason else self.decode.num_pending,
+                                  degraded_reason=self.degraded_reason)
