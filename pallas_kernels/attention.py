@@ -45,6 +45,8 @@ def prepare_attention_metadata(
     pages_per_step: int | None = None,
     num_kv_splits: int | None = None,
     form: str | None = None,
+    chunk_block_q: int | None = None,
+    chunk_tail_block_q: int | None = None,
 ) -> AttentionMetadata:
     """The step's AttentionMetadata for `backend`: everything that depends only on the batch.
 
@@ -60,8 +62,13 @@ def prepare_attention_metadata(
     if backend not in validation.BACKENDS:
         raise ValueError(f"backend must be one of {validation.BACKENDS}; got {backend!r}")
     validation.check_sliding_window(sliding_window)
-    if form is not None and backend != "xla":
-        raise ValueError(f"form is an xla option; got form={form!r}, backend={backend!r}")
+    split_options = (("chunk_block_q", chunk_block_q), ("chunk_tail_block_q", chunk_tail_block_q))
+    for name, value in (("form", form), *split_options):
+        if value is not None and backend != "xla":
+            raise ValueError(f"{name} is an xla option; got {name}={value!r}, backend={backend!r}")
+    for name, value in split_options:
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be None or a positive int; got {value!r}")
     validation.check_tuning(
         backend, block_q=block_q, pages_per_step=pages_per_step, num_kv_splits=num_kv_splits
     )
@@ -84,6 +91,8 @@ def prepare_attention_metadata(
             block_q=block_q,
             pages_per_step=pages_per_step,
             form=form,
+            chunk_block_q=chunk_block_q,
+            chunk_tail_block_q=chunk_tail_block_q,
         )
     if backend == "pallas_gpu":
         return prepare_gpu(

@@ -22,7 +22,8 @@ from pallas_kernels.xla import PagedKV, blocks_attention, prepare_loop
 
 FORMS = ("loop", "split")
 ROW_KV_POSITIONS = 64  # kv positions per loop step of the vectorized loops (rows and blocks)
-CHUNK_BLOCK_Q = 64  # tokens per prefill chunk of the split form
+CHUNK_BLOCK_Q = 64  # tokens per prefill chunk of the split form (its body tier)
+CHUNK_TAIL_BLOCK_Q = 16  # tokens per chunk of what is left of a sequence (its tail tier)
 CHUNK_KV_POSITIONS = 128  # kv positions per loop step of a chunk's page loop
 
 
@@ -50,17 +51,21 @@ def prepare_xla(
     form: str | None = None,
     chunk_block_q: int | None = None,
     chunk_pages_per_step: int | None = None,
+    chunk_tail_block_q: int | None = None,
 ) -> metadata.AttentionMetadata:
     """The xla path's AttentionMetadata in the bucket's form (inputs already validated).
 
     form None applies choose_form, or "loop" when block_q is given; block_q (loop form only) and pages_per_step (the vectorized
-    loop of either form), chunk_block_q and chunk_pages_per_step (split form) override the
+    loop of either form), chunk_block_q, chunk_pages_per_step and chunk_tail_block_q (split form) override the
     static choices.
     """
     if form is None:  # a block_q is a loop-form block size: asking for one asks for the loop form
         form = "loop" if block_q is not None else choose_form(shapes.num_tokens, shapes.max_num_seqs)
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS} (or None: the bucket's rule); got {form!r}")
+    for name, value in (("chunk_block_q", chunk_block_q), ("chunk_tail_block_q", chunk_tail_block_q)):
+        if value is not None and form != "split":
+            raise ValueError(f"{name} is the split form's option; got {name}={value}, form={form!r}")
     if block_q is not None and form != "loop":
         raise ValueError(f"block_q is the loop form's option; the split form's rows are one "
                          f"token each (got block_q={block_q}, form={form!r})")
@@ -74,6 +79,7 @@ def prepare_xla(
         sliding_window=sliding_window,
         pages_per_step=pps,
         chunk_block_q=chunk_block_q or CHUNK_BLOCK_Q,
+        tail_block_q=chunk_tail_block_q or CHUNK_TAIL_BLOCK_Q,
         chunk_pages_per_step=chunk_pages_per_step or choose_pages_per_step(bs, mb, CHUNK_KV_POSITIONS),
     )
 

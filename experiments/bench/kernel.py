@@ -37,7 +37,8 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list("shapes", ["decode", "mixed"], "Which batches to time: decode, mixed.")
 flags.DEFINE_list("contexts", ["1024"], "Longest kv contexts; contexts are uniform in [c/2, c].")
 flags.DEFINE_integer("max_model_len", 0, "Block-table width in tokens (0: the longest context).")
-flags.DEFINE_list("forms", ["auto", "loop", "split"], "xla forms to time: auto, loop, split, loop128.")
+flags.DEFINE_list("forms", ["auto", "loop", "split"],
+                  "xla forms to time: auto, loop, split, loop128, split8 ... split128 (one chunk tier).")
 flags.DEFINE_integer("decode_seqs", 32, "Decoding sequences (one query token each).")
 flags.DEFINE_integer("prefill_seqs", 2, "Prefill chunks in the mixed batch.")
 flags.DEFINE_integer("prefill_chunk", 128, "Tokens per prefill chunk in the mixed batch.")
@@ -127,6 +128,9 @@ FORM_OPTIONS = {
     "loop": dict(form="loop"),
     "split": dict(form="split"),
     "loop128": dict(form="loop", pages_per_step=0),  # 0: 128 kv positions, set per block size
+    # The split form with one tier of c-token prefill chunks (the default: xla_forms'
+    # CHUNK_BLOCK_Q-token chunks, each sequence's rest in chunks of CHUNK_TAIL_BLOCK_Q).
+    **{f"split{c}": dict(form="split", chunk_block_q=c, chunk_tail_block_q=c) for c in (8, 16, 32, 64, 128)},
 }
 
 

@@ -39,7 +39,9 @@ def _attend(case_or_batch, options, **prepare_options):
 @pytest.mark.parametrize(
     "case, form_options",
     [(c, dict(form="loop")) for c in LOOP_GRID]
-    + [(c, dict(form="split", chunk_block_q=4, chunk_pages_per_step=1)) for c in SPLIT_GRID],
+    + [(c, dict(form="split", chunk_block_q=4, chunk_pages_per_step=1)) for c in SPLIT_GRID]
+    # Both chunk tiers: whole 8-token chunks, then each sequence's rest in chunks of 3.
+    + [(c, dict(form="split", chunk_block_q=8, chunk_tail_block_q=3)) for c in SPLIT_GRID],
     ids=lambda x: x.name if isinstance(x, Case) else f"{x['form']}{len(x)}",
 )
 def test_form_matches_oracle(case, form_options):
@@ -93,6 +95,9 @@ def test_rule_is_static_and_every_bucket_compiles_once():
         (dict(form="dense", backend="xla"), "form must be one of"),
         (dict(form="split", block_q=8, backend="xla"), "block_q is the loop form's"),
         (dict(form="split", backend="pallas_gpu"), "form is an xla option"),
+        (dict(chunk_block_q=16, backend="pallas_tpu"), "chunk_block_q is an xla option"),
+        (dict(chunk_tail_block_q=0, backend="xla"), "chunk_tail_block_q must be None or a positive int"),
+        (dict(form="loop", chunk_block_q=16, backend="xla"), "chunk_block_q is the split form's option"),
     ],
 )
 def test_form_option_errors_name_the_value(kwargs, match):
