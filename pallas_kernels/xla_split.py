@@ -19,7 +19,7 @@ split form does the two kinds apart (BUILD_NOTES.md "CPU attention forms" has th
           (a short prompt, or the tail of a long one: < block_q tokens) is cut into chunks of
           `tail_block_q` (smaller) tokens, the tail tier, a second loop of the same kind. So 32
           prompts of 8 tokens run 32 chunks of 16 rows, not of 64 (BUILD_NOTES.md "CPU attention
-          forms": 5.1x dense with one tier of 64, 1.0-1.5x with the tail tier's size).
+          forms": 3-5x dense attention with one tier of 64, 1.2-1.3x with the tail tier).
 
 Both parts are exact (the same online softmax in float32 as the loop form); `combine` takes each
 token from its part and zeroes padding tokens.
