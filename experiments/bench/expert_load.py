@@ -10,14 +10,14 @@ out). For one run of N requests this module groups those records by engine step 
   up over the mean: a lone decode token of a top-2-of-8 model is always 4;
 - a step's imbalance: the mean over its layers (the worst layer is reported too), since the
   step waits on every layer's most loaded expert where experts run in parallel;
-- over the run: the median, 90th percentile and maximum of the steps' imbalance, and the
-  run-long imbalance (each layer's loads summed over the steps: the router's bias, not the
-  per-step noise).
+- over the run: the median, 90th percentile and maximum of the steps' imbalance (the maximum
+  also over the steps of at least the median token count only: the last steps of a run, a few
+  stragglers' decodes, hit the floor of their few tokens), the median floor (the most even
+  split a step's token count allows), and the run-long imbalance (each layer's loads summed
+  over the steps: the router's bias, not the per-step noise).
 """
 
 from __future__ import annotations
-
-import statistics
 
 import numpy as np
 
@@ -51,17 +51,23 @@ def summarize(steps: list[np.ndarray], k: int) -> dict:
         raise ValueError("no step routed a token: nothing to summarize")
     per_layer = [imbalance(s) for s in steps]  # [L] each
     per_step = np.array([float(np.mean(x)) for x in per_layer])
-    tokens = [int(s[0].sum()) // k for s in steps]
+    tokens = np.array([int(s[0].sum()) // k for s in steps])
+    num_experts = steps[0].shape[1]
+    # The most even a step of t tokens can be: ceil(t k / E) over the mean t k / E.
+    floor = np.ceil(tokens * k / num_experts) / (tokens * k / num_experts)
+    full = tokens >= np.median(tokens)  # leaves out the tail steps of a few stragglers
     total = np.sum(steps, axis=0)  # [L, E]
     return {
         "steps": len(steps),
-        "tokens_per_step_median": statistics.median(tokens),
+        "tokens_per_step_median": float(np.median(tokens)),
         "imbalance_median": float(np.median(per_step)),
         "imbalance_p90": float(np.percentile(per_step, 90)),
+        "imbalance_max_full_steps": float(per_step[full].max()),
         "imbalance_max": float(per_step.max()),
+        "even_floor_median": float(np.median(floor)),
         "worst_layer_max": float(max(x.max() for x in per_layer)),
         "run_imbalance": float(np.mean(imbalance(total))),
-        "per_step": [{"tokens": t, "imbalance": float(i)} for t, i in zip(tokens, per_step, strict=True)],
+        "per_step": [{"tokens": int(t), "imbalance": float(i)} for t, i in zip(tokens, per_step, strict=True)],
     }
 
 

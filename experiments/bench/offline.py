@@ -24,8 +24,9 @@ conditions. `--prompt_len=P` (> 0) cuts or repeats each prompt's ids to exactly 
 `--profile` adds the per-bucket step profile (experiments/lab/step_profiler.py) of one more run per N.
 `--expert_load` (a mixture of experts, e.g. --model=random:small-moe) builds a second engine whose
 steps report each MoE layer's assignments per expert (models/moe.ExpertLoadRecorder; the timed
-engine has no such callback) and adds one run per N on it: the load imbalance per step (max
-expert load / mean) and over the run, experiments/bench/expert_load.py.
+engine has no such callback) and adds one run per N on it, with N distinct random-token prompts
+of the fixed prompts' lengths (copies would route alike): the load imbalance per step (max expert
+load / mean) and over the run, experiments/bench/expert_load.py.
 """
 
 from __future__ import annotations
@@ -164,6 +165,8 @@ def main_fixed() -> dict:
 
 def expert_load_runs(counts: list[int], dtype: str | None) -> dict:
     """One recorded run per N on an engine built inside an ExpertLoadRecorder; prints a table."""
+    import numpy as np
+
     from experiments.bench.expert_load import recorded_run, summarize
     from models.moe import ExpertLoadRecorder
 
@@ -173,20 +176,25 @@ def expert_load_runs(counts: list[int], dtype: str | None) -> dict:
         config = llm.engine.model_config
         if not config.num_experts:
             raise ValueError(f"--expert_load: {llm.engine.model_name} is not a mixture of experts")
+        rng = np.random.default_rng(0)
         for n in counts:
-            prompts = fixed_prompts(llm.engine.tokenizer, n, _PROMPT_LEN.value)
+            # Distinct prompts of the fixed prompts' lengths: copies of the 4 fixed prompts would
+            # route identically and multiply every load by their count.
+            prompts = [rng.integers(0, config.vocab_size, len(p)).tolist()
+                       for p in fixed_prompts(llm.engine.tokenizer, n, _PROMPT_LEN.value)]
             steps = recorded_run(llm, recorder, lambda p=prompts: run_generate(llm, p, _OUTPUT_LEN.value),
                                  config.num_layers)
             out[n] = summarize(steps, config.num_experts_per_tok)
     e, k = config.num_experts, config.num_experts_per_tok
     print(f"\nexpert load imbalance (max / mean assignments per expert; {e} experts, top-{k}: 1 = even, "
           f"{e / k:g} = all on {k}), per step = mean over the {config.num_layers} layers")
-    print("| N | steps | tokens/step (median) | median | p90 | max | worst layer | run-long |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| N | steps | tokens/step (median) | median | p90 | max (steps >= median tokens) | max | "
+          "worst layer | even floor (median) | run-long |")
+    print("| --- |" + " --- |" * 9)
     for n, r in out.items():
-        print(f"| {n} | {r['steps']} | {r['tokens_per_step_median']} | {r['imbalance_median']:.2f} | "
-              f"{r['imbalance_p90']:.2f} | {r['imbalance_max']:.2f} | {r['worst_layer_max']:.2f} | "
-              f"{r['run_imbalance']:.3f} |")
+        print(f"| {n} | {r['steps']} | {r['tokens_per_step_median']:g} | {r['imbalance_median']:.2f} | "
+              f"{r['imbalance_p90']:.2f} | {r['imbalance_max_full_steps']:.2f} | {r['imbalance_max']:.2f} | "
+              f"{r['worst_layer_max']:.2f} | {r['even_floor_median']:.2f} | {r['run_imbalance']:.3f} |")
     return out
 
 

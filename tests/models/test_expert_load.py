@@ -77,9 +77,11 @@ def test_summary_of_known_loads():
     skewed = np.array([[4, 4, 0, 0], [3, 1, 2, 2]])
     assert imbalance(even).tolist() == [1.0, 1.0]
     assert imbalance(skewed).tolist() == [2.0, 1.5]
-    summary = summarize([even, skewed, np.zeros((2, 4), int)], k=2)  # an empty step is dropped
-    assert summary["steps"] == 2 and summary["tokens_per_step_median"] == 4
-    assert summary["imbalance_max"] == 1.75 and summary["worst_layer_max"] == 2.0
-    assert summary["run_imbalance"] == pytest.approx(np.mean([1.5, 1.25]))
+    lone = np.array([[1, 1, 0, 0], [0, 1, 1, 0]])  # one token: 2 is the most even it can be
+    summary = summarize([even, skewed, lone, np.zeros((2, 4), int)], k=2)  # an empty step is dropped
+    assert summary["steps"] == 3 and summary["tokens_per_step_median"] == 4
+    assert summary["imbalance_max"] == 2.0 and summary["imbalance_max_full_steps"] == 1.75
+    assert summary["worst_layer_max"] == 2.0 and summary["even_floor_median"] == 1.0
+    assert summary["run_imbalance"] == pytest.approx(np.mean([7 / 4.5, 5 / 4.5]))  # summed loads
     with pytest.raises(ValueError, match="layers"):
         step_loads([(0, even[0]), (0, even[1])], 2)
