@@ -1,7 +1,12 @@
 """GGUF checkpoints: metadata -> ModelConfig, tensors dequantized through the `gguf` package.
 
-llama.cpp stores the Q and K projections of "llama" models with each head's rows permuted for its
-interleaved RoPE; `unpermute_rows` restores the rotate-half layout our RoPE (and HF) use. Every
+llama.cpp stores the Q and K projections of "llama" models (Mixtral included) with each head's
+rows permuted for its interleaved RoPE; `unpermute_rows` restores the rotate-half layout our RoPE
+(and HF) use. The other architectures (qwen2, qwen3, qwen3moe, gemma2, gemma3) are stored
+unpermuted. A layer's tensors are those its config implies (`layer_tensors`): q/k norms
+(attn_q_norm, attn_k_norm), Gemma's post-norms (post_attention_norm, post_ffw_norm; its
+norms hold 1 + w, models/gguf_config.py), the router and stacked experts (ffn_gate_inp,
+ffn_{gate,up,down}_exps [E, out, in]) instead of the MLP; a tensor left over is an error. Every
 problem raises an error that names the file and what is wrong with it.
 """
 
@@ -19,13 +24,29 @@ from models.weights import layer_from_matrices, to_device, unpermute_rows
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "F64", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
-# GGUF per-layer tensor names -> the names `layer_from_matrices` expects.
-_LAYER_TENSORS = {
+# GGUF per-layer tensor names -> the names `layer_from_matrices` expects, by what the config has.
+_ATTENTION = {
     "attn_norm.weight": "attn_norm", "attn_q.weight": "q", "attn_k.weight": "k",
     "attn_v.weight": "v", "attn_output.weight": "o", "ffn_norm.weight": "mlp_norm",
-    "ffn_gate.weight": "gate", "ffn_up.weight": "up", "ffn_down.weight": "down",
-    "attn_q.bias": "q_bias", "attn_k.bias": "k_bias", "attn_v.bias": "v_bias",
 }
+_BIASES = {"attn_q.bias": "q_bias", "attn_k.bias": "k_bias", "attn_v.bias": "v_bias"}
+_QK_NORM = {"attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm"}
+# Gemma: ffn_norm is the MLP's pre-norm (pre_feedforward_layernorm), as for the others.
+_SANDWICH = {"post_attention_norm.weight": "post_attn_norm", "post_ffw_norm.weight": "post_mlp_norm"}
+_MLP = {"ffn_gate.weight": "gate", "ffn_up.weight": "up", "ffn_down.weight": "down"}
+# Experts stacked [E, out, in] (the file's shape reversed), the router [E, e].
+_EXPERTS = {"ffn_gate_inp.weight": "router", "ffn_gate_exps.weight": "experts_gate",
+            "ffn_up_exps.weight": "experts_up", "ffn_down_exps.weight": "experts_down"}
+
+
+def layer_tensors(config) -> dict[str, str]:
+    """The per-layer tensors (GGUF suffix -> our name) a file of this config holds."""
+    names = {**_ATTENTION, **(_EXPERTS if config.num_experts else _MLP)}
+    for present, group in ((config.attention_bias, _BIASES), (config.qk_norm, _QK_NORM),
+                           (config.sandwich_norms, _SANDWICH)):
+        if present:
+            names.update(group)
+    return names
 
 
 def open_gguf(path: str | os.PathLike):
@@ -44,6 +65,11 @@ def gguf_metadata(reader) -> dict:
     if "tokenizer.ggml.tokens" in reader.fields:
         meta["tokenizer.ggml.tokens"] = range(len(reader.fields["tokenizer.ggml.tokens"]))
     return meta
+
+
+def meta_arch(reader) -> str | None:
+    field = reader.fields.get("general.architecture")
+    return None if field is None else field.contents()
 
 
 def _dequantize(path: str, tensor) -> np.ndarray:
@@ -86,7 +112,10 @@ def load_gguf(path: str | os.PathLike, *, dtype: str = "float32", progress: bool
     reader = open_gguf(path)
     tensors = {t.name: t for t in reader.tensors}
     config = gguf_config(path, reader)
-    permute = config.architecture == "llama"
+    # llama.cpp permutes Q/K rows for its "llama" architecture only (Mixtral included): the
+    # others (qwen2/3, gemma) use the rotate-half (NEOX) RoPE and are stored as in the checkpoint.
+    permute = meta_arch(reader) == "llama"
+    suffixes = layer_tensors(config)
 
     def get(tensor_name: str) -> np.ndarray:
         if tensor_name not in tensors:
@@ -98,7 +127,7 @@ def load_gguf(path: str | os.PathLike, *, dtype: str = "float32", progress: bool
     layers = []
     for i in range(config.num_layers):
         m = {}
-        for suffix, ours in _LAYER_TENSORS.items():
+        for suffix, ours in suffixes.items():
             full = f"blk.{i}.{suffix}"
             if full in tensors:
                 m[ours] = get(full)
@@ -113,7 +142,7 @@ def load_gguf(path: str | os.PathLike, *, dtype: str = "float32", progress: bool
     if not config.tie_word_embeddings:
         params["lm_head"] = get("output.weight").T
     used = {"token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight"}
-    used.update(f"blk.{i}.{suffix}" for i in range(config.num_layers) for suffix in _LAYER_TENSORS)
+    used.update(f"blk.{i}.{suffix}" for i in range(config.num_layers) for suffix in suffixes)
     left = sorted(set(tensors) - used)
     if left:
         raise ValueError(f"{path}: tensor {left[0]} is not used by the {config.architecture} "

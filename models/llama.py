@@ -65,7 +65,7 @@ from models.layers import (  # noqa: F401  (apply_rope, rope_inv_freq, rms_norm:
     rope_inv_freq,
     soft_cap,
 )
-from models.moe import grouped_product, moe_mlp
+from models.moe import grouped_product, load_callback, moe_mlp
 from models.served_layout import num_layers_of, unpack_layer
 from pallas_kernels import prepare_attention_metadata, ragged_paged_attention, write_kv
 from pallas_kernels.kv_quant import ScaledCache, fake_quantize_kv
@@ -96,6 +96,7 @@ class _Model:
         self.inv_freq = {kind: jnp.asarray(rope_inv_freq(config, kind), jnp.float32)
                          for kind in set(self.kinds)}
         self.lora = None  # models/lora.LoRAStep when the step serves adapters
+        self.num_tokens = None  # a serving step's real tokens (for models/moe.ExpertLoadRecorder)
 
     def norm(self, x, w):
         return rms_norm(x, w, self.config.rms_norm_eps, self.config.norm_offset)
@@ -135,7 +136,7 @@ class _Model:
             if not config.num_experts:
                 return product("down_proj", gated(product("gate_up_proj", h), config.hidden_act))
             return self.moe(h, product("router", h), functools.partial(product, "experts_gate_up"),
-                            functools.partial(product, "experts_down"), small)
+                            functools.partial(product, "experts_down"), small, index)
 
         return qkv, out, mlp
 
@@ -159,7 +160,7 @@ class _Model:
             if config.num_experts:
                 grouped = lambda name: lambda rows, gs: grouped_product(rows, layer[name], gs)  # noqa: E731
                 return self.moe(h, proj("te,ne->tn", h, layer["router"]), grouped("experts_gate_up"),
-                                grouped("experts_down"), layer)
+                                grouped("experts_down"), layer, index)
             gate = proj("te,ef->tf", h, layer["w_gate"])
             up = proj("te,ef->tf", h, layer["w_up"])
             return proj("tf,fe->te", gated(jnp.concatenate([gate, up], -1), config.hidden_act),
@@ -167,8 +168,9 @@ class _Model:
 
         return qkv, lambda attn: proj("thd,hde->te", attn, layer["wo"]), mlp
 
-    def moe(self, h, logits, gate_up, down, small):
+    def moe(self, h, logits, gate_up, down, small, index):
         config = self.config
+        record = load_callback(_layer_index(index), self.num_tokens, config.num_experts, self.tp_axis is not None)
         num_local = small.get("experts_local", config.num_experts)
         if "experts_gate_up" in small:
             num_local = small["experts_gate_up"].shape[0]
@@ -178,7 +180,8 @@ class _Model:
             first = jax.lax.axis_index(self.tp_axis) // devices_per_group * num_local
         return moe_mlp(h, logits, gate_up, down, num_experts=config.num_experts,
                        k=config.num_experts_per_tok, norm_topk_prob=config.norm_topk_prob,
-                       act=config.hidden_act, first_expert=first, num_local_experts=num_local)
+                       act=config.hidden_act, first_expert=first, num_local_experts=num_local,
+                       record=record)
 
     # ---- one layer --------------------------------------------------------------------------
 
@@ -336,6 +339,7 @@ def forward_paged(
         kv_dtype = params["embed"].dtype
     reduce = (lambda y: y) if tp_axis is None else (lambda y: jax.lax.psum(y, tp_axis))
     model = _Model(config, kv_dtype, reduce, tp_axis)
+    model.num_tokens = batch.query_start_loc[-1]  # padded rows repeat the end
     if "lora" in params:  # adapters (models/lora.py): each token's slot, 0 = none
         from models.lora import LoRAStep
 

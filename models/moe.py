@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from models.layers import gated
 from models.quant import QuantizedWeight
@@ -54,14 +55,18 @@ def route(logits: jax.Array, k: int, norm_topk_prob: bool):
 
 
 def moe_mlp(h: jax.Array, router_logits: jax.Array, gate_up, down, *, num_experts: int, k: int,
-            norm_topk_prob: bool, act: str, first_expert=0, num_local_experts: int | None = None):
+            norm_topk_prob: bool, act: str, first_expert=0, num_local_experts: int | None = None,
+            record=None):
     """h [t, e] -> [t, e] float32. gate_up(rows, group_sizes) and down(rows, group_sizes) are the
     grouped products over this device's experts (the caller binds the weights: a plain call, or a
     lax.switch over layers). first_expert / num_local_experts: this device's slice of the experts
-    (expert parallelism); by default all of them."""
+    (expert parallelism); by default all of them. record: called with the expert ids [t, k]
+    (`load_callback`)."""
     t = h.shape[0]
     local = num_experts if num_local_experts is None else num_local_experts
     weights, ids = route(router_logits, k, norm_topk_prob)
+    if record is not None:
+        record(ids)
     flat = ids.reshape(-1)  # [a]
     order = jnp.argsort(flat, stable=True)
     token_of = order // k
@@ -82,7 +87,49 @@ def moe_mlp(h: jax.Array, router_logits: jax.Array, gate_up, down, *, num_expert
     return jnp.zeros((t, y.shape[1]), jnp.float32).at[token_of].add(y)
 
 
-def expert_load(router_logits: jax.Array, k: int, num_experts: int) -> jax.Array:
-    """Assignments per expert [E] of a batch (the load-imbalance measure: max / mean)."""
-    _, ids = jax.lax.top_k(router_logits, k)
-    return jnp.bincount(ids.reshape(-1), length=num_experts)
+class ExpertLoadRecorder:
+    """The expert loads of every MoE layer of every step (experiments/bench/offline.py
+    --expert_load): a step traced while a recorder is active (`with recorder:`) calls it back
+    once per MoE layer with (layer index, assignments per expert over the step's real tokens,
+    padding left out). Steps traced without one hold nothing of it: a dense model, or an MoE
+    engine built outside the `with`, compiles and runs exactly as before. The recorder is read
+    when a step is traced, so a function jitted and traced before keeps what it had. One device
+    only (under tensor parallelism every device would report its copy)."""
+
+    active: ExpertLoadRecorder | None = None
+
+    def __init__(self):
+        self.records: list[tuple[int, np.ndarray]] = []
+
+    def __enter__(self) -> ExpertLoadRecorder:
+        ExpertLoadRecorder.active = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        ExpertLoadRecorder.active = None
+
+    def _add(self, layer, counts) -> None:  # the host callback
+        self.records.append((int(layer), np.asarray(counts)))
+
+    def take(self) -> list[tuple[int, np.ndarray]]:
+        """The (layer, counts [E]) recorded since the last take, in arrival order."""
+        records, self.records = self.records, []
+        return records
+
+
+def load_callback(layer, num_tokens, num_experts: int, sharded: bool):
+    """What `moe_mlp(record=...)` calls with the expert ids [t, k] when a recorder is active at
+    trace time (None otherwise: nothing is added to the step). num_tokens: the real tokens (the
+    first num_tokens rows; None: not a serving step, nothing recorded)."""
+    recorder = ExpertLoadRecorder.active
+    if recorder is None or num_tokens is None:
+        return None
+    if sharded:
+        raise ValueError("ExpertLoadRecorder records a step on one device (tensor_parallel_size=1)")
+
+    def record(ids):
+        live = (jnp.arange(ids.shape[0]) < num_tokens).astype(jnp.int32)
+        counts = jnp.bincount(ids.reshape(-1), weights=jnp.repeat(live, ids.shape[1]), length=num_experts)
+        jax.debug.callback(recorder._add, jnp.asarray(layer, jnp.int32), counts.astype(jnp.int32))
+
+    return record

@@ -22,6 +22,11 @@ for every N and dtype the median output tokens/s of `--repeats` runs. The engine
 are built first and the runs interleave (N, repeat, dtype), so the dtypes share the machine's
 conditions. `--prompt_len=P` (> 0) cuts or repeats each prompt's ids to exactly P tokens.
 `--profile` adds the per-bucket step profile (experiments/lab/step_profiler.py) of one more run per N.
+`--expert_load` (a mixture of experts, e.g. --model=random:small-moe) builds a second engine whose
+steps report each MoE layer's assignments per expert (models/moe.ExpertLoadRecorder; the timed
+engine has no such callback) and adds one run per N on it, with N distinct random-token prompts
+of the fixed prompts' lengths (copies would route alike): the load imbalance per step (max expert
+load / mean) and over the run, experiments/bench/expert_load.py.
 """
 
 from __future__ import annotations
@@ -47,6 +52,8 @@ _DTYPES = flags.DEFINE_list("dtypes", [], "fixed: dtypes to compare (default: th
                             "DTYPE:QUANTIZATION[:KV_CACHE_DTYPE] quantizes too, e.g. float32:int8, "
                             "float32:int8:int8, float32::int8 (EngineConfig.quantization, kv_cache_dtype)")
 _PROFILE = flags.DEFINE_boolean("profile", False, "also print the per-bucket step profile")
+_EXPERT_LOAD = flags.DEFINE_boolean("expert_load", False, "fixed, a mixture of experts: also one run per N on "
+                                    "an engine recording each step's expert loads (experiments/bench/expert_load.py)")
 _MODEL = flags.DEFINE_string("model", "default", "model spec")
 _MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 32, "max_num_seqs (batched arm / largest N)")
 _MAX_BATCHED = flags.DEFINE_integer("max_num_batched_tokens", 256, "token budget per step")
@@ -128,8 +135,8 @@ def main_fixed() -> dict:
         print(f"N={n}: " + ", ".join(f"{d} {statistics.median(runs[d, n]):.1f} tok/s "
                                      f"({', '.join(f'{x:.1f}' for x in runs[d, n])})" for d in llms), flush=True)
     result = {"command": "python -m experiments.bench.offline " + _flags_line(
-        "dataset", "num_requests", "prompt_len", "output_len", "repeats", "dtypes", "max_num_seqs",
-        "max_num_batched_tokens", "token_buckets", "seq_buckets"),
+        "dataset", "model", "num_requests", "prompt_len", "output_len", "repeats", "dtypes", "max_num_seqs",
+        "max_num_batched_tokens", "token_buckets", "seq_buckets", "expert_load"),
         "platform": _platform(), "model": next(iter(llms.values())).engine.model_name,
         "median_output_tokens_per_s": {d: {n: statistics.median(runs[d, n]) for n in counts} for d in llms},
         "runs": {f"{d}/{n}": v for (d, n), v in runs.items()},
@@ -151,7 +158,44 @@ def main_fixed() -> dict:
                 print(f"\nprofile: {d}, N={n} x {_OUTPUT_LEN.value} tokens (medians, ms)")
                 print(profiler.table())
                 result["profile"][f"{d}/{n}"] = profiler.rows()
+    if _EXPERT_LOAD.value:
+        result["expert_load"] = expert_load_runs(counts, dtypes[0])
     return result
+
+
+def expert_load_runs(counts: list[int], dtype: str | None) -> dict:
+    """One recorded run per N on an engine built inside an ExpertLoadRecorder; prints a table."""
+    import numpy as np
+
+    from experiments.bench.expert_load import recorded_run, summarize
+    from models.moe import ExpertLoadRecorder
+
+    out = {}
+    with ExpertLoadRecorder() as recorder:
+        llm = build_llm(dtype, max_num_seqs=max(_MAX_NUM_SEQS.value, max(counts)))
+        config = llm.engine.model_config
+        if not config.num_experts:
+            raise ValueError(f"--expert_load: {llm.engine.model_name} is not a mixture of experts")
+        rng = np.random.default_rng(0)
+        for n in counts:
+            # Distinct prompts of the fixed prompts' lengths: copies of the 4 fixed prompts would
+            # route identically and multiply every load by their count.
+            prompts = [rng.integers(0, config.vocab_size, len(p)).tolist()
+                       for p in fixed_prompts(llm.engine.tokenizer, n, _PROMPT_LEN.value)]
+            steps = recorded_run(llm, recorder, lambda p=prompts: run_generate(llm, p, _OUTPUT_LEN.value),
+                                 config.num_layers)
+            out[n] = summarize(steps, config.num_experts_per_tok)
+    e, k = config.num_experts, config.num_experts_per_tok
+    print(f"\nexpert load imbalance (max / mean assignments per expert; {e} experts, top-{k}: 1 = even, "
+          f"{e / k:g} = all on {k}), per step = mean over the {config.num_layers} layers")
+    print("| N | steps | tokens/step (median) | median | p90 | max (steps >= median tokens) | max | "
+          "worst layer | even floor (median) | run-long |")
+    print("| --- |" + " --- |" * 9)
+    for n, r in out.items():
+        print(f"| {n} | {r['steps']} | {r['tokens_per_step_median']:g} | {r['imbalance_median']:.2f} | "
+              f"{r['imbalance_p90']:.2f} | {r['imbalance_max_full_steps']:.2f} | {r['imbalance_max']:.2f} | "
+              f"{r['worst_layer_max']:.2f} | {r['even_floor_median']:.2f} | {r['run_imbalance']:.3f} |")
+    return out
 
 
 def run_arm(engine, samples, params_for) -> dict:

@@ -213,7 +213,7 @@ def _gguf(rope_freqs=None, **changes):
 
 
 @pytest.mark.parametrize(("key", "value"), [
-    ("llama.expert_count", 8), ("llama.attention.layer_norm_epsilon", 1e-5),
+    ("llama.expert_shared_count", 2), ("llama.attention.layer_norm_epsilon", 1e-5),
     ("llama.attn_logit_softcapping", 50.0), ("llama.rope.scaling.attn_factor", 2.0),
     ("llama.rope.dimension_count", 8), ("llama.attention.value_length", 32),
     ("llama.rope.scaling.type", "yarn"), ("llama.logit_scale", 0.5), ("llama.brand_new_key", 1),
