@@ -46,6 +46,7 @@ class EngineConfig:
     # max_num_seqs running seats while other requests wait; 1.0 = no cap.
     max_request_share: float = 0.5
     kv_allocation: str = "paged"  # paged | contiguous (baseline)
+    disable_hybrid_kv_cache_manager: bool = False  # True: one block table for every layer, so a model mixing sliding-window and global layers (Gemma 2/3) keeps every block in its sliding layers too; False: those layers get their own blocks, freed once their window has passed (scheduler/sliding_window.py; vLLM's name). Disaggregation's pools set it (imported blocks carry every layer)
     seed: int = 0  # random weights' seed and the default sampling key
     token_buckets: tuple[int, ...] | None = None  # padded token counts; None: derived
     seq_buckets: tuple[int, ...] | None = None  # padded request counts; None: derived
@@ -118,7 +119,7 @@ class EngineConfig:
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"EngineConfig.{name} must be a boolean or None, got {value!r}")
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "interpret", "precompile",
-                     "background_compile", "prompt_scoring_bucket"):
+                     "background_compile", "prompt_scoring_bucket", "disable_hybrid_kv_cache_manager"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} must be a boolean, got {getattr(self, name)!r}")
         for name in ("token_buckets", "seq_buckets"):

@@ -140,6 +140,15 @@ class ModelConfig:
     def layer_kinds(self) -> tuple[str, ...]:
         return tuple(self.layer_kind(i) for i in range(self.num_layers))
 
+    @property
+    def mixes_windows(self) -> bool:
+        """Both sliding-window and global layers (Gemma 2/3): the KV cache can keep a block group
+        per kind (engine/step/kv_cache.py, scheduler/sliding_window.py)."""
+        return len(set(self.layer_kinds)) == 2
+
+    def num_layers_of_kind(self, kind: str) -> int:
+        return self.layer_kinds.count(kind)
+
     def window_of(self, kind: str) -> int | None:
         return self.sliding_window if kind == "sliding_attention" else None
 

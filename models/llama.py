@@ -261,6 +261,18 @@ def _layer_index(index):  # the cache's layer index (traced in a scan)
     return index.traced if isinstance(index, _Static) else index
 
 
+def _rank_in_kind(config: ModelConfig, index, kind: str):
+    """A layer's index in its kind's cache group (a two-group cache, engine/step/kv_cache.py): the
+    layers of its kind before it. In a group scan (index a _Static: traced g * p + j, static j) that
+    is g times the kind's layers per period plus those before position j."""
+    kinds = config.layer_kinds
+    if isinstance(index, _Static):
+        period = kinds[: config.layer_period]
+        return (index.traced // len(period) * period.count(kind)
+                + period[: int(index)].count(kind))
+    return kinds[:index].count(kind)
+
+
 def forward_dense(params: dict, config: ModelConfig, token_ids: jax.Array,
                   kv_cache_dtype: str = "auto") -> jax.Array:
     """Logits [t, v] (float32) for one sequence of token ids [t], no cache.
@@ -295,7 +307,7 @@ def forward_paged(
     return_hidden: bool = False,
     lora_method: str = "masked",
 ):
-    """One step over a ragged batch; returns ((k_cache, v_cache), logits [L, v] float32).
+    """One step over a ragged batch; returns (kv_cache, logits [L, v] float32).
 
     return_hidden: also return the final hidden state (the residual stream after the last layer,
     before the final norm; float32 [L, e]) at `logits_indices`, as a third value (a draft head
@@ -310,7 +322,9 @@ def forward_paged(
     width; the partial MoE output joins the same all-reduce over tp_axis as a dense MLP's.
 
     `kv_cache` is (k_cache, v_cache), each [num_layers, num_blocks, block_size, k, d]
-    (engine/step/kv_cache.py), in the model dtype or, for a 16-bit model on the xla path, uint16
+    (engine/step/kv_cache.py), or for a model mixing windows with sliding-window accounting the
+    two groups (k_global, v_global, k_sliding, v_sliding), the sliding layers' read through
+    `batch.sliding_block_tables` and written at `batch.sliding_slot_mapping`; in the model dtype or, for a 16-bit model on the xla path, uint16
     holding its bits (pallas_kernels/kv_write.py), or an 8-bit cache, each a ScaledCache of values
     and per-(token, kv head) scales (pallas_kernels/kv_quant.py). `batch` has the StepInputs fields: input_ids [T], positions [T],
     slot_mapping [T], query_start_loc [S+1], seq_lens [S], block_tables [S, max_blocks_per_seq],
@@ -326,8 +340,17 @@ def forward_paged(
     """
     num_tokens = batch.input_ids.shape[0]
     windows = {config.window_of(kind) for kind in config.layer_kinds}
+    two_groups = len(kv_cache) == 4  # the global and the sliding layers' groups
+    if two_groups and len(windows) != 2:
+        raise ValueError(f"forward_paged: a two-group KV cache needs a model mixing sliding-window and "
+                         f"global layers; {config.name!r} has windows {sorted(windows, key=str)}")
+    # Each window's group: its block tables and slots (one group: every layer reads the same).
+    tables = {w: batch.block_tables if w is None or not two_groups else batch.sliding_block_tables
+              for w in windows}
+    slots = {w: batch.slot_mapping if w is None or not two_groups else batch.sliding_slot_mapping
+             for w in windows}
     md = {w: prepare_attention_metadata(
-        batch.seq_lens, batch.block_tables, batch.query_start_loc, batch.num_seqs,
+        batch.seq_lens, tables[w], batch.query_start_loc, batch.num_seqs,
         num_tokens=num_tokens, num_q_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
         block_size=kv_cache[0].shape[2], backend=attention_backend, sliding_window=w,
         head_dim=config.head_dim) for w in windows}
@@ -346,30 +369,30 @@ def forward_paged(
         model.lora = LoRAStep(params["lora"], batch.lora_slots, config, lora_method)
 
     def attend(q, k, v, cache, kind, index):  # no weights: compiled once per kind under a scan
-        k_cache, v_cache = cache
-        index = _layer_index(index)
         window = config.window_of(kind)
-        k_cache, v_cache = write_kv(k_cache, v_cache, k, v, batch.slot_mapping, layer=index,
+        group = 2 if two_groups and window is not None else 0  # its (k, v) pair in `cache`
+        k_cache, v_cache = cache[group], cache[group + 1]
+        index = _rank_in_kind(config, index, kind) if two_groups else _layer_index(index)
+        k_cache, v_cache = write_kv(k_cache, v_cache, k, v, slots[window], layer=index,
                                     backend=attention_backend, interpret=interpret)
         attn = ragged_paged_attention(
             q, k_cache, v_cache, md[window], layer=index, sm_scale=config.sm_scale,
             sliding_window=window, soft_cap=config.attn_logit_softcap, backend=attention_backend,
             interpret=interpret)
-        return attn, (k_cache, v_cache)
+        return attn, (*cache[:group], k_cache, v_cache, *cache[group + 2:])
 
     if tp_axis is None:
         x = embed_tokens(params["embed"], batch.input_ids, config.embed_scale)
     else:
         x = _embed_vocab_parallel(params["embed"], batch.input_ids, tp_axis, config.embed_scale)
-    x, (k_cache, v_cache) = model.run_layers(x, tuple(kv_cache), params, batch.positions, attend,
-                                             scan_layers)
+    x, kv_cache = model.run_layers(x, tuple(kv_cache), params, batch.positions, attend, scan_layers)
     hidden = x[batch.logits_indices]
     logits = model.logits(params, hidden)
     if tp_axis is not None:
         logits = jax.lax.all_gather(logits, tp_axis, axis=1, tiled=True)
     if return_hidden:
-        return (k_cache, v_cache), logits, hidden
-    return (k_cache, v_cache), logits
+        return kv_cache, logits, hidden
+    return kv_cache, logits
 
 
 def _switch_scan(x, cache, layers: list, period: int, step):

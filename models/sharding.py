@@ -344,7 +344,7 @@ def forward_paged_sharded(params: dict, layout: TPLayout, kv_cache: tuple, batch
     slice; returns the sharded cache and the full logits [L, v padded], replicated."""
     from models.llama import forward_paged
 
-    cache_specs = (KV_CACHE_SPEC, KV_CACHE_SPEC)
+    cache_specs = (KV_CACHE_SPEC,) * len(kv_cache)  # one (k, v) pair per cache group
 
     def local(p, cache, b):
         return forward_paged(p, layout.local, cache, b, attention_backend=attention_backend,

@@ -48,6 +48,14 @@ class SchedulerConfig:
     # LoRA: most distinct adapters (Request.lora_id != 0) among the running requests (the runner's
     # device slots); 0 = adapters off, a request with one is refused.
     max_loras: int = 0
+    # Sliding-window block accounting (a model mixing sliding-window and global layers): the
+    # sliding layers' window W (a query at position p reads keys p - W + 1 .. p). They get a block
+    # table and a pool of their own (scheduler/sliding_window.py) whose blocks the window has
+    # passed are released; None: one block table for every layer (every block kept).
+    sliding_window: int | None = None
+    # With sliding_window: the sliding layers' pool, in blocks including their null block 0
+    # (num_blocks is then the global layers' pool).
+    num_sliding_blocks: int = 0
 
     def __post_init__(self) -> None:
         _check_positive_int("max_num_seqs", self.max_num_seqs)
@@ -57,6 +65,7 @@ class SchedulerConfig:
         _check_positive_int("num_blocks", self.num_blocks, minimum=2)
         if isinstance(self.max_loras, bool) or not isinstance(self.max_loras, int) or self.max_loras < 0:
             raise ValueError(f"SchedulerConfig.max_loras must be an integer >= 0, got {self.max_loras!r}")
+        self._check_sliding()
         if self.max_seqs_per_group is not None:
             _check_positive_int("max_seqs_per_group", self.max_seqs_per_group)
         for name in ("enable_prefix_caching", "enable_chunked_prefill"):
@@ -93,6 +102,24 @@ class SchedulerConfig:
                 "long prompt could never be scheduled; raise max_num_batched_tokens, lower "
                 "max_model_len, or enable chunked prefill"
             )
+
+    def _check_sliding(self) -> None:
+        if self.sliding_window is None:
+            if self.num_sliding_blocks:
+                raise ValueError("SchedulerConfig.num_sliding_blocks needs sliding_window (the sliding "
+                                 f"layers' window); got num_sliding_blocks={self.num_sliding_blocks!r}")
+            return
+        _check_positive_int("sliding_window", self.sliding_window)
+        _check_positive_int("num_sliding_blocks", self.num_sliding_blocks, minimum=2)
+        if self.kv_allocation == "contiguous":
+            raise ValueError("SchedulerConfig.sliding_window (sliding-window block accounting) is not "
+                             "implemented with kv_allocation='contiguous'")
+        need = -(-min(self.max_model_len, self.sliding_window - 1 + self.max_num_batched_tokens)
+                 // self.block_size) + 1
+        if self.num_sliding_blocks - 1 < need:
+            raise ValueError(
+                f"SchedulerConfig.num_sliding_blocks ({self.num_sliding_blocks}) cannot hold one request's "
+                f"window and step ({need} blocks of {self.block_size} tokens, plus the null block)")
 
     @property
     def max_blocks_per_seq(self) -> int:

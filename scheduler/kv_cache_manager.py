@@ -7,6 +7,9 @@ Invariants:
 - A request's table covers at least its computed tokens plus those scheduled this step.
 - Prefix hits only cover full blocks inside the first `num_tokens - 1` tokens: the last known token
   is always computed (its logits give the next token), and a request never writes a shared block.
+- With sliding-window accounting (SchedulerConfig.sliding_window) every request also has a table
+  in `sliding` (scheduler/sliding_window.py), of the same length as its global table; both are
+  extended together, and a prefix hit needs the blocks of both that the request will read.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from scheduler import block_pool
 from scheduler.block_pool import BlockPool, hash_block_tokens
 from scheduler.config import SchedulerConfig
 from scheduler.request import Request
+from scheduler.sliding_window import SlidingGroup
 
 
 class KVCacheManager:
@@ -31,6 +35,10 @@ class KVCacheManager:
         self._num_registered: dict[str, int] = {}
         self.prefix_cache_queries = 0  # tokens looked up at admissions (prefix caching on)
         self.prefix_cache_hits = 0  # of those, tokens found in the cache
+        # The sliding layers' own tables and pool (sliding-window accounting), or None.
+        self.sliding = (None if config.sliding_window is None else SlidingGroup(
+            config.num_sliding_blocks, config.sliding_window, config.block_size,
+            config.enable_prefix_caching))
 
     def update_block_hashes(self, request: Request) -> None:
         """Hash each full block of `request` not hashed yet (each block is hashed exactly once)."""
@@ -60,6 +68,8 @@ class KVCacheManager:
             if block_id is None:
                 break
             hits.append(block_id)
+        if self.sliding is not None and hits:  # a hit also needs the sliding blocks its window reads
+            del hits[self.sliding.longest_hit(request.block_hashes, len(hits)):]
         return hits
 
     def allocate_slots(
@@ -83,6 +93,10 @@ class KVCacheManager:
                 return []
             if num_new_blocks > self.pool.num_available_blocks:
                 return None
+            if self.sliding is not None:  # its table has the same length: as many new blocks
+                if num_new_blocks > self.sliding.pool.num_available_blocks:
+                    return None
+                self.sliding.extend(request.req_id, num_new_blocks)
             new_block_ids = self.pool.allocate(num_new_blocks)
             table.extend(new_block_ids)
             return new_block_ids
@@ -97,6 +111,11 @@ class KVCacheManager:
         num_hits_cached = sum(1 for block_id in computed if ref_cnt[block_id] == 0)
         if num_new_blocks > self.pool.num_available_blocks - num_hits_cached:
             return None
+        if self.sliding is not None:
+            plan = self.sliding.plan_admission(request.block_hashes, len(computed), num_required)
+            if plan is None:
+                return None
+            self.sliding.admit(request.req_id, plan)
         self.pool.touch(computed)
         new_block_ids = self.pool.allocate(num_new_blocks) if num_new_blocks else []
         self.block_tables[request.req_id] = computed + new_block_ids
@@ -124,6 +143,14 @@ class KVCacheManager:
         for i in range(start, end):
             register(table[i], hashes[i])
         self._num_registered[req_id] = end
+        if self.sliding is not None:
+            self.sliding.cache_full_blocks(req_id, hashes, end)
+
+    def release_out_of_window(self, request: Request) -> None:
+        """Sliding-window accounting: frees the sliding blocks no later query of `request` reads
+        (after a step, once its tokens are computed)."""
+        if self.sliding is not None:
+            self.sliding.release_out_of_window(request.req_id, request.num_computed_tokens)
 
     def import_blocks(self, block_hashes: list[int]) -> tuple[list[int], list[tuple[int, int]]] | None:
         """Blocks for KV computed elsewhere (prefill/decode disaggregation), keyed by the chained
@@ -137,6 +164,9 @@ class KVCacheManager:
         None, changing nothing, when the pool cannot hold them."""
         if not self.enable_prefix_caching:
             raise ValueError("import_blocks needs prefix caching: imported blocks are found as prefix hits")
+        if self.sliding is not None:
+            raise ValueError("import_blocks is not implemented with sliding-window accounting "
+                             "(SchedulerConfig.sliding_window): imported blocks carry every layer")
         pool = self.pool
         found = [pool.lookup(h) for h in block_hashes]
         num_misses = found.count(None)
@@ -164,6 +194,8 @@ class KVCacheManager:
         if table is not None:
             self._num_registered.pop(request.req_id)
             self.pool.free(table)
+            if self.sliding is not None:
+                self.sliding.free(request.req_id)
 
     def get_block_ids(self, req_id: str) -> list[int]:
         """The live table of `req_id` (empty if it holds none). Do not mutate."""

@@ -32,6 +32,10 @@ class ScheduledRequest:
     # reported, nothing is sampled): all of a scored prompt chunk's rows except the last when it
     # reaches the end of the prompt (that one samples the first output token). 0 otherwise.
     num_prompt_logits: int = 0
+    # Sliding-window accounting (SchedulerConfig.sliding_window): the sliding layers' live table,
+    # as long as block_ids, over their own pool; the entries their window has passed are the null
+    # block 0 (scheduler/sliding_window.py). None: every layer reads block_ids.
+    sliding_block_ids: list[int] | None = None
 
     @property
     def sample(self) -> bool:
@@ -140,6 +144,9 @@ class SchedulerStats:
     num_evictions: int
     # schedule() calls so far.
     num_steps: int
+    # Sliding-window accounting: blocks with ref count > 0 in the sliding layers' pool (the four
+    # counts above are the global layers' pool); 0 without it.
+    num_sliding_used_blocks: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -21,11 +21,13 @@ One step, in order (DESIGN.md sections 2-3):
     Fairness: a request whose group already holds max_seqs_per_group running seats is passed
     over while a request of another group waits (the first such one in queue order is admitted),
     and when no seat or block is free, the newest request of a group over its cap is preempted.
- 5. The `SchedulerOutput` lists each scheduled request's tokens, position and whole block table,
-    plus the ids finished, aborted and preempted since the last step.
+ 5. The `SchedulerOutput` lists each scheduled request's tokens, position and whole block table
+    (and its sliding layers' table, with sliding-window accounting), plus the ids finished,
+    aborted and preempted since the last step.
  6. The engine runs the step and calls `update(output, step_result)`: computed counts advance,
     sampled tokens are appended, finishes are decided (EOS unless ignored, stop token, max_tokens,
-    max_model_len), newly full blocks enter the prefix cache, and finished requests free blocks.
+    max_model_len), newly full blocks enter the prefix cache, the sliding layers' blocks their
+    window has passed are freed (scheduler/sliding_window.py), and finished requests free blocks.
 
 schedule() costs O(running + admitted) and update() O(scheduled); under "priority" each preemption
 adds an O(running) scan for the victim.
@@ -312,6 +314,7 @@ class Scheduler(SchedulerObservability):
             if request.prompt_logprobs:  # every position scores the next prompt token, or samples
                 num_logits, num_prompt_logits = num_new, num_new - int(reaches_end)
         plan.logits -= num_logits
+        sliding = self.kv_cache_manager.sliding
         plan.scheduled[req_id] = ScheduledRequest(  # positional: this runs once per request
             req_id,  # req_id
             token_ids,  # token_ids
@@ -320,6 +323,7 @@ class Scheduler(SchedulerObservability):
             self.kv_cache_manager.block_tables[req_id],  # block_ids: the live table, no copy
             num_logits,  # num_logits
             num_prompt_logits,  # num_prompt_logits
+            None if sliding is None else sliding.block_tables[req_id],  # sliding_block_ids
         )
         plan.budget -= num_new
 
@@ -386,6 +390,7 @@ class Scheduler(SchedulerObservability):
         sampled, rejected = check_step_result(scheduler_output, step_result, pending)
         self._pending = None
         kv = self.kv_cache_manager
+        sliding = kv.sliding is not None
         max_model_len = self.config.max_model_len
         finished: list[Request] = []
         for sr in scheduler_output.scheduled:
@@ -403,6 +408,8 @@ class Scheduler(SchedulerObservability):
                 request.prompt_logprobs = False  # scored; a resume may use the prefix cache
             # Cache before freeing, so a finished request's full blocks stay reusable.
             kv.cache_full_blocks(request)
+            if sliding:  # sliding-window accounting: blocks no later query reads go back
+                kv.release_out_of_window(request)
             if reason is not None:
                 self._finish(sr.req_id, RequestStatus.FINISHED, reason)
                 finished.append(request)

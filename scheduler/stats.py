@@ -11,6 +11,7 @@ class SchedulerObservability:
     @property
     def stats(self) -> SchedulerStats:
         pool = self.kv_cache_manager.pool
+        sliding = self.kv_cache_manager.sliding
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
@@ -23,6 +24,7 @@ class SchedulerObservability:
             num_preemptions=self.num_preemptions,
             num_evictions=pool.num_evictions,
             num_steps=self._num_steps,
+            num_sliding_used_blocks=0 if sliding is None else sliding.pool.num_used_blocks,
         )
 
     def kv_waste(self) -> KVWaste:

@@ -24,11 +24,12 @@ from engine.step.buckets import (
     resolve_seq_buckets,
     resolve_token_buckets,
 )
-from engine.step.kv_cache import num_blocks_for
+from engine.step.kv_cache import hybrid_num_blocks, num_blocks_for
 from engine.step.model_runner import ModelRunner
 from models.loader import load_model
 from pallas_kernels import resolve_backend
 from scheduler import Scheduler, SchedulerConfig
+from scheduler.sliding_window import num_blocks_needed
 
 
 @dataclasses.dataclass
@@ -58,8 +59,10 @@ def default_placement(config: EngineConfig):
     return replica_meshes(config.tensor_parallel_size, 1)[0]
 
 
-def scheduler_config_for(config: EngineConfig, *, max_model_len: int, num_blocks: int) -> SchedulerConfig:
+def scheduler_config_for(config: EngineConfig, *, max_model_len: int, num_blocks: int,
+                         sliding_window: int | None = None, num_sliding_blocks: int = 0) -> SchedulerConfig:
     return SchedulerConfig(
+        sliding_window=sliding_window, num_sliding_blocks=num_sliding_blocks,
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=max_model_len, block_size=config.block_size, num_blocks=num_blocks,
         enable_prefix_caching=config.enable_prefix_caching,
@@ -68,6 +71,14 @@ def scheduler_config_for(config: EngineConfig, *, max_model_len: int, num_blocks
         max_seqs_per_group=(None if config.max_request_share >= 1
                             else max(1, int(config.max_request_share * config.max_num_seqs))),
         max_loras=config.max_loras if config.enable_lora else 0)
+
+
+def uses_sliding_groups(config: EngineConfig, model) -> bool:
+    """Sliding-window block accounting (a KV cache group per layer kind) for a model mixing
+    sliding-window and global layers, unless disable_hybrid_kv_cache_manager or the contiguous
+    baseline (which reserves whole sequences) asks for one group."""
+    return (model.mixes_windows and not config.disable_hybrid_kv_cache_manager
+            and config.kv_allocation == "paged")
 
 
 def load_for_mesh(config: EngineConfig, *, progress: bool = True):
@@ -114,20 +125,31 @@ def build_parts(config: EngineConfig, *, progress: bool = True, mesh=None, loade
     max_model_len = resolve_max_model_len(config, loaded.config.max_position_embeddings)
     bs = config.block_size
     max_blocks_per_seq = -(-max_model_len // bs)
-    num_blocks = num_blocks_for(
-        kv_config, device=placement.devices[0] if placement else None, block_size=bs, dtype=dtype, num_kv_blocks=config.num_kv_blocks,
-        kv_cache_bytes=config.kv_cache_bytes, memory_fraction=config.kv_cache_memory_fraction,
-        max_useful_blocks=config.max_num_seqs * max_blocks_per_seq + 1, kv_cache_dtype=config.kv_cache_dtype)
+    sizing = dict(device=placement.devices[0] if placement else None, block_size=bs, dtype=dtype,
+                  num_kv_blocks=config.num_kv_blocks, kv_cache_bytes=config.kv_cache_bytes,
+                  memory_fraction=config.kv_cache_memory_fraction,
+                  max_useful_blocks=config.max_num_seqs * max_blocks_per_seq + 1,
+                  kv_cache_dtype=config.kv_cache_dtype)
+    sliding_window, num_sliding_blocks = None, 0
+    if uses_sliding_groups(config, loaded.config):
+        sliding_window = loaded.config.sliding_window
+        num_blocks, num_sliding_blocks = hybrid_num_blocks(kv_config, **sizing, sliding_blocks_needed=num_blocks_needed(
+            window=sliding_window, block_size=bs, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len))
+    else:
+        num_blocks = num_blocks_for(kv_config, **sizing)
     if (num_blocks - 1) * bs < max_model_len:
         raise ValueError(
             f"the KV cache ({num_blocks - 1} blocks of {bs} tokens) cannot hold one request of "
             f"max_model_len={max_model_len} tokens: raise num_kv_blocks / kv_cache_bytes "
             "or lower max_model_len")
-    scheduler = Scheduler(scheduler_config_for(config, max_model_len=max_model_len,
-                                               num_blocks=num_blocks))
+    scheduler = Scheduler(scheduler_config_for(config, max_model_len=max_model_len, num_blocks=num_blocks,
+                                               sliding_window=sliding_window,
+                                               num_sliding_blocks=num_sliding_blocks))
     shapes = RunnerShapes(
         token_buckets=resolve_token_buckets(config), seq_buckets=resolve_seq_buckets(config),
         max_blocks_per_seq=max_blocks_per_seq, num_blocks=num_blocks, block_size=bs,
+        num_sliding_blocks=num_sliding_blocks,
         num_logprobs=config.max_logprobs,
         sample_vocab_size=min(loaded.config.vocab_size, loaded.tokenizer.vocab_size),
         logits_per_seq=1 + (config.speculative_config.num_speculative_tokens
@@ -216,7 +238,8 @@ def build_draft_proposer(config: EngineConfig, shapes: RunnerShapes, target, *, 
     draft_shapes = dataclasses.replace(
         shapes, token_buckets=(*shapes.token_buckets, shapes.token_buckets[-1] + shapes.max_num_seqs),
         num_logprobs=0, logits_per_seq=1, sample_vocab_size=min(shapes.sample_vocab_size, draft.config.vocab_size),
-        prompt_scoring=False)  # the draft model never scores a prompt
+        prompt_scoring=False,  # the draft model never scores a prompt
+        num_sliding_blocks=0)  # one cache group over the target's global tables (block_ids)
     runner = ModelRunner(draft.config, draft.params, draft_shapes, dtype=dtype, attention_backend=backend,
                          interpret=config.interpret, layer_loop=resolve_layer_loop(config, platform),
                          precompile=config.precompile,

@@ -133,8 +133,10 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.after_schedule(out, self.scheduler)
         self.runner.execute(out)
+        old = self.scheduler.config  # the runner's cache groups stay: so does the sliding group
         self.scheduler = Scheduler(scheduler_config_for(config, max_model_len=self.max_model_len,
-                                                        num_blocks=num_blocks))
+                                                        num_blocks=num_blocks, sliding_window=old.sliding_window,
+                                                        num_sliding_blocks=old.num_sliding_blocks))
         self.config = config
         return self.scheduler
 

@@ -111,7 +111,9 @@ class PDEngine:
             raise ValueError(f"EngineConfig.disaggregation: prefill:{pd.prefill},decode:{pd.decode} needs "
                              f"{local} devices here, but only {len(devices)} are present; on the CPU set "
                              "XLA_FLAGS=--xla_force_host_platform_device_count=N before jax is imported")
-        pool_config = dataclasses.replace(config, disaggregation=None, tensor_parallel_size=pd.prefill)
+        # One cache group per pool: imported blocks carry every layer (no sliding-window accounting).
+        pool_config = dataclasses.replace(config, disaggregation=None, tensor_parallel_size=pd.prefill,
+                                          disable_hybrid_kv_cache_manager=True)
         loaded = loaded or load_for_mesh(pool_config, progress=progress)
         blocks = (pd.prefill_num_kv_blocks, pd.decode_num_kv_blocks)
         for name, n in zip(POOLS, blocks):

@@ -87,6 +87,9 @@ class RunnerShapes:
     sample_vocab_size: int  # ids the tokenizer knows: logits past it are never sampled
     logits_per_seq: int = 1  # logit rows per sequence a bucket holds (1 + k with k drafts)
     prompt_scoring: bool = True  # the largest token bucket also compiles with L = T (scoring_bucket)
+    # Blocks of the sliding layers' cache (sliding-window accounting: a two-group cache,
+    # engine/step/kv_cache.py); 0: one cache group for every layer.
+    num_sliding_blocks: int = 0
 
     @property
     def max_num_seqs(self) -> int:

@@ -12,6 +12,14 @@ On the xla attention path a 16-bit cache (bfloat16, float16) is allocated as uin
 cache around every layer's write (pallas_kernels/kv_write.py). The Pallas kernels take the float
 cache.
 
+Sliding-window accounting (a model mixing sliding-window and global layers, Gemma 2/3; vLLM's
+hybrid KV cache): two groups, each a (k_cache, v_cache) pair of its own, so the cache is
+(k_global, v_global, k_sliding, v_sliding): the global layers' [num_global_layers, num_blocks, ...]
+and the sliding layers' [num_sliding_layers, num_sliding_blocks, ...], each indexed by a layer's
+rank among the layers of its kind and by its group's block table (the scheduler's two pools,
+scheduler/sliding_window.py). The sliding pool is sized for what a running batch can hold
+(`num_blocks_needed`), the global pool gets the rest of the budget. One group (the pair) otherwise.
+
 An 8-bit cache (kv_cache_dtype "int8" or "fp8_e4m3", vLLM's names) is, for each of K and V, a
 ScaledCache: the values [L, num_blocks, block_size, Hkv, D] in 8 bits and one bfloat16 scale per
 token and kv head [L, num_blocks, block_size, Hkv] (pallas_kernels/kv_quant.py); its bytes per
@@ -27,15 +35,30 @@ from models.config import ModelConfig
 from pallas_kernels.kv_quant import allocate_scaled, bytes_per_value_and_scale
 
 
-def kv_bytes_per_token(config: ModelConfig, dtype: str, kv_cache_dtype: str = "auto") -> int:
-    """K and V bytes of one token over all layers: the model dtype's, or an 8-bit cache's values
-    plus their scales (one per token and kv head, pallas_kernels/kv_quant.py)."""
+def kv_bytes_per_token(config: ModelConfig, dtype: str, kv_cache_dtype: str = "auto",
+                       num_layers: int | None = None) -> int:
+    """K and V bytes of one token over all layers (or `num_layers` of them): the model dtype's,
+    or an 8-bit cache's values plus their scales (one per token and kv head,
+    pallas_kernels/kv_quant.py)."""
     per_head = bytes_per_value_and_scale(kv_cache_dtype, jnp.dtype(dtype).itemsize, config.head_dim)
-    return 2 * config.num_layers * config.num_kv_heads * int(per_head)
+    layers = config.num_layers if num_layers is None else num_layers
+    return 2 * layers * config.num_kv_heads * int(per_head)
 
 
-def bytes_per_block(config: ModelConfig, block_size: int, dtype: str, kv_cache_dtype: str = "auto") -> int:
-    return block_size * kv_bytes_per_token(config, dtype, kv_cache_dtype)
+def bytes_per_block(config: ModelConfig, block_size: int, dtype: str, kv_cache_dtype: str = "auto",
+                    num_layers: int | None = None) -> int:
+    return block_size * kv_bytes_per_token(config, dtype, kv_cache_dtype, num_layers)
+
+
+def _budget(device, kv_cache_bytes: int, memory_fraction: float) -> int:
+    """The cache's bytes: the CPU budget, or memory_fraction of what an accelerator has free."""
+    device = device or jax.devices()[0]
+    if device.platform != "cpu":
+        stats = device.memory_stats() or {}
+        limit = stats.get("bytes_limit")
+        if limit:
+            return int((limit - stats.get("bytes_in_use", 0)) * memory_fraction)
+    return kv_cache_bytes
 
 
 def num_blocks_for(
@@ -52,23 +75,58 @@ def num_blocks_for(
     if num_kv_blocks is not None:
         return num_kv_blocks
     per_block = bytes_per_block(config, block_size, dtype, kv_cache_dtype)
-    device = device or jax.devices()[0]
-    budget = kv_cache_bytes
-    if device.platform != "cpu":
-        stats = device.memory_stats() or {}
-        limit = stats.get("bytes_limit")
-        if limit:
-            budget = int((limit - stats.get("bytes_in_use", 0)) * memory_fraction)
+    budget = _budget(device, kv_cache_bytes, memory_fraction)
     return max(2, min(budget // per_block, max_useful_blocks))
 
 
+def hybrid_num_blocks(
+    config: ModelConfig, *, block_size: int, dtype: str, num_kv_blocks: int | None,
+    kv_cache_bytes: int, memory_fraction: float, max_useful_blocks: int, sliding_blocks_needed: int,
+    device=None, kv_cache_dtype: str = "auto",
+) -> tuple[int, int]:
+    """(global blocks, sliding blocks), each with its null block, for a two-group cache.
+
+    The sliding pool gets what a running batch can hold (`sliding_blocks_needed`,
+    scheduler/sliding_window.num_blocks_needed), never more than the global pool (a request never
+    holds more sliding blocks than global ones); the global pool gets an explicit `num_kv_blocks`,
+    or the rest of the byte budget (both pools shrink alike when it cannot hold that many)."""
+    if num_kv_blocks is not None:
+        return num_kv_blocks, max(2, min(num_kv_blocks, sliding_blocks_needed))
+    per_global, per_sliding = (
+        bytes_per_block(config, block_size, dtype, kv_cache_dtype, config.num_layers_of_kind(kind))
+        for kind in ("full_attention", "sliding_attention"))
+    budget = _budget(device, kv_cache_bytes, memory_fraction)
+    num_global = (budget - sliding_blocks_needed * per_sliding) // per_global
+    if num_global < sliding_blocks_needed:
+        num_global = budget // (per_global + per_sliding)
+    num_global = max(2, min(num_global, max_useful_blocks))
+    return num_global, max(2, min(sliding_blocks_needed, num_global))
+
+
 def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: str, *,
-                      bits: bool = False, sharding=None, kv_cache_dtype: str = "auto") -> tuple:
+                      bits: bool = False, sharding=None, kv_cache_dtype: str = "auto",
+                      num_sliding_blocks: int = 0) -> tuple:
     """Zeroed (k_cache, v_cache); bits=True stores a 16-bit dtype as uint16 (same bytes).
     `sharding` (a NamedSharding splitting the KV-head axis, models/sharding.py): each device
     allocates only its own shard. kv_cache_dtype "int8" / "fp8_e4m3": each of K and V is a
-    ScaledCache (values and scales, pallas_kernels/kv_quant.py; one device only)."""
-    shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    ScaledCache (values and scales, pallas_kernels/kv_quant.py; one device only).
+    num_sliding_blocks > 0 (a model mixing windows): the two groups, (k_global, v_global,
+    k_sliding, v_sliding), the global layers' over num_blocks and the sliding layers' over
+    num_sliding_blocks."""
+    if num_sliding_blocks:
+        if not config.mixes_windows:
+            raise ValueError(f"allocate_kv_cache: num_sliding_blocks={num_sliding_blocks} needs a model that "
+                             f"mixes sliding-window and global layers; {config.name!r} does not")
+        return sum((_allocate(config, config.num_layers_of_kind(kind), n, block_size, dtype, bits,
+                              sharding, kv_cache_dtype)
+                    for kind, n in (("full_attention", num_blocks), ("sliding_attention", num_sliding_blocks))),
+                   ())
+    return _allocate(config, config.num_layers, num_blocks, block_size, dtype, bits, sharding, kv_cache_dtype)
+
+
+def _allocate(config: ModelConfig, num_layers: int, num_blocks: int, block_size: int, dtype: str, bits: bool,
+              sharding, kv_cache_dtype: str) -> tuple:
+    shape = (num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
     if kv_cache_dtype != "auto":
         if sharding is not None:
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not implemented on a mesh (one device only)")

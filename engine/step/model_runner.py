@@ -87,7 +87,8 @@ class ModelRunner:
             self.params = serve_layout(jax.tree.map(jnp.asarray, params), layer_loop, quantization,
                                        activation_rows)
             self.kv_cache = allocate_kv_cache(model_config, shapes.num_blocks, shapes.block_size, dtype,
-                                              bits=bits, kv_cache_dtype=kv_cache_dtype)
+                                              bits=bits, kv_cache_dtype=kv_cache_dtype,
+                                              num_sliding_blocks=shapes.num_sliding_blocks)
         else:
             if quantization is not None or kv_cache_dtype != "auto":
                 raise ValueError("ModelRunner: quantized weights and an 8-bit KV cache run on one device "
@@ -98,14 +99,16 @@ class ModelRunner:
             # shard by shard; the cache split on KV heads; inputs and the table replicated.
             self.params = params
             self.kv_cache = allocate_kv_cache(placement.layout.padded, shapes.num_blocks, shapes.block_size,
-                                              dtype, bits=bits, sharding=placement.kv_sharding)
+                                              dtype, bits=bits, sharding=placement.kv_sharding,
+                                              num_sliding_blocks=shapes.num_sliding_blocks)
         self.lora = lora
         if lora is not None:
             self.params = {**self.params, "lora": lora.buffers}
         self.table = RequestTable(shapes.max_num_seqs, shapes.sample_vocab_size,
                                   sharding=None if placement is None else placement.replicated)
         self.builder = BatchBuilder(max_blocks_per_seq=shapes.max_blocks_per_seq,
-                                    block_size=shapes.block_size, vocab_size=shapes.sample_vocab_size)
+                                    block_size=shapes.block_size, vocab_size=shapes.sample_vocab_size,
+                                    sliding=bool(shapes.num_sliding_blocks))
         self._step = make_step(model_config, shapes, attention_backend=attention_backend,
                                interpret=interpret, layer_loop=layer_loop, placement=placement,
                                keep_hidden=keep_hidden, lora_method=lora_method)

@@ -61,6 +61,12 @@ class StepInputs:
     # buffer: its own argument of the step, sent only in steps with a constrained row (otherwise
     # the runner passes a resident buffer and flags[4] = 0 skips the mask).
     token_mask: jax.Array
+    # -- the sliding layers' group (sliding-window accounting, engine/step/kv_cache.py); None
+    #    (absent from the flat buffer) when every layer reads block_tables --
+    sliding_slot_mapping: jax.Array | None = None  # int32[T] the token's slot in the sliding layers' cache
+    # int32[S, max_blocks_per_seq] the sliding layers' block ids; 0 (null block) where their
+    # window has passed and past the end
+    sliding_block_tables: jax.Array | None = None
 
     def join_values(self) -> dict:
         return {name: getattr(self, "join_" + name) for name, _, _ in SAMPLING_FIELDS}
@@ -73,7 +79,7 @@ class StepLayout:
     """Where each StepInputs field of one bucket lives in the flat int32 buffer."""
 
     def __init__(self, padded_tokens: int, padded_seqs: int, padded_logits: int, max_blocks_per_seq: int,
-                 mask_words: int = 1):
+                 mask_words: int = 1, sliding: bool = False):
         t, s, lg = padded_tokens, padded_seqs, padded_logits
         self.padded_tokens, self.padded_seqs, self.padded_logits = t, s, lg
         shapes = {
@@ -84,6 +90,9 @@ class StepLayout:
             "join_slots": (s,), **{name: (s,) for name in _DTYPES},
             "mask_index": (lg,),
         }
+        if sliding:  # the sliding layers' own slots and tables
+            shapes.update(sliding_slot_mapping=(t,), sliding_block_tables=(s, max_blocks_per_seq))
+        self.sliding = sliding
         self.slices: dict[str, tuple[int, int, tuple[int, ...]]] = {}
         offset = 0
         for name, shape in shapes.items():
@@ -129,8 +138,12 @@ class BuiltStep:
 class BatchBuilder:
     """Turns a SchedulerOutput into the flat input buffer of its bucket."""
 
-    def __init__(self, *, max_blocks_per_seq: int, block_size: int, vocab_size: int = 32):
+    def __init__(self, *, max_blocks_per_seq: int, block_size: int, vocab_size: int = 32,
+                 sliding: bool = False):
+        """sliding: the steps carry the sliding layers' tables and slots too
+        (ScheduledRequest.sliding_block_ids; a two-group cache)."""
         self.block_size = block_size
+        self.sliding = sliding
         self.max_blocks_per_seq = max_blocks_per_seq
         self.mask_words = -(-vocab_size // 32)
         self._layouts: dict[tuple[int, int, int], StepLayout] = {}
@@ -142,7 +155,7 @@ class BatchBuilder:
     def layout(self, padded_tokens: int, padded_seqs: int, padded_logits: int) -> StepLayout:
         key = (padded_tokens, padded_seqs, padded_logits)
         if key not in self._layouts:
-            self._layouts[key] = StepLayout(*key, self.max_blocks_per_seq, self.mask_words)
+            self._layouts[key] = StepLayout(*key, self.max_blocks_per_seq, self.mask_words, self.sliding)
         return self._layouts[key]
 
     def build(self, out: SchedulerOutput, layout: StepLayout, table: RequestTable,
@@ -180,6 +193,8 @@ class BatchBuilder:
         positions = np.arange(num_tokens, dtype=np.int32) - np.repeat(ends - q_lens - starts, q_lens)
         v["positions"][:num_tokens] = positions
         v["slot_mapping"][:num_tokens] = tables[row_of_token, positions // bs] * bs + positions % bs
+        if layout.sliding:
+            self._fill_sliding(v, scheduled, row_of_token, positions)
         v["query_start_loc"][1 : num_seqs + 1] = ends
         v["query_start_loc"][num_seqs + 1 :] = num_tokens
         v["seq_lens"][:num_seqs] = starts + q_lens
@@ -216,6 +231,17 @@ class BatchBuilder:
                          table.wants_logprobs_np[sampled_slots].any() or row_prompt.any(), masked,
                          table.uses_bias_np[sampled_slots].any())
         return BuiltStep(layout.buffer, row_slots, row_logits, num_logits, layout.mask if masked else None)
+
+    def _fill_sliding(self, v, scheduled, row_of_token, positions) -> None:
+        """The sliding layers' tables (their live tables: null entries where the window has passed)
+        and the slots the step's tokens are written at (always in blocks the table holds)."""
+        tables, bs = v["sliding_block_tables"], self.block_size
+        for row, sr in enumerate(scheduled):
+            if sr.sliding_block_ids is None:
+                raise ValueError(f"request {sr.req_id!r}: the runner's cache has a sliding layers' group "
+                                 "but the step carries no sliding_block_ids (SchedulerConfig.sliding_window)")
+            tables[row, : len(sr.sliding_block_ids)] = sr.sliding_block_ids
+        v["sliding_slot_mapping"][: len(positions)] = tables[row_of_token, positions // bs] * bs + positions % bs
 
     @staticmethod
     def _prompt_targets(targets, scheduled, row_logits, row_prompt, table: RequestTable) -> None:
