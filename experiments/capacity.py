@@ -12,7 +12,10 @@
    JAX's default preallocation) less the weights; on the CPU the `kv_cache_bytes` budget.
 3. Requests that fit at once: paged allocation holds ceil((prompt + output) / block_size) blocks
    per request at its longest; contiguous allocation reserves max_model_len per request. Block 0
-   is the engine's null block and holds nothing.
+   is the engine's null block and holds nothing. A model mixing sliding-window and global layers
+   (Gemma 2/3) has a block group per kind (scheduler/sliding_window.py): its sliding layers hold
+   only the ceil((W - 1) / block_size) + 1 blocks their window reads (`kv_bytes_held`), so paged
+   fits more requests than with one block table for every layer (`fit_paged_one_group`).
 4. Decode, one step over a batch of B requests at context c (the mean over a request's decode,
    prompt + output / 2): time = max(bytes / bandwidth, flops / peak) with
    bytes = streamed weights + B x c x KV bytes per token, and
@@ -59,7 +62,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 __all__ = [
     "DEVICES", "DTYPE_BYTES", "ENGINE_DEFAULTS", "GB", "CapacityReport", "DecodePoint", "DeviceSpec",
-    "Probe", "blocks_for", "capacity", "compare_with_measured", "crossover_batch", "decode_step",
+    "Probe", "blocks_for", "capacity", "kv_bytes_held", "compare_with_measured", "crossover_batch", "decode_step",
     "define_flags", "device_from_probe", "device_spec", "format_report", "kv_budget_bytes", "main",
     "matmul_params", "measure_device", "measured_from_sweep", "model_config_for", "plot",
     "requests_that_fit",
@@ -123,6 +126,20 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def kv_bytes_held(config: ModelConfig, num_tokens: int, itemsize: int, block_size: int,
+                  sliding_groups: bool = True) -> int:
+    """KV bytes one request of num_tokens holds between steps: every layer's blocks with one group;
+    with a group per layer kind (sliding_groups, a model mixing windows) the sliding layers hold
+    only the blocks their window reads (scheduler/sliding_window.py)."""
+    blocks = blocks_for(num_tokens, block_size)
+    per_layer_block = 2 * block_size * config.num_kv_heads * config.head_dim * itemsize
+    if not (sliding_groups and config.mixes_windows):
+        return blocks * config.num_layers * per_layer_block
+    window_blocks = min(blocks, blocks_for(config.sliding_window - 1, block_size) + 1)
+    return per_layer_block * (blocks * config.num_layers_of_kind("full_attention")
+                              + window_blocks * config.num_layers_of_kind("sliding_attention"))
+
+
 def requests_that_fit(num_blocks: int, lengths: Sequence[int], block_size: int,
                       max_model_len: int, allocation: str = "paged") -> int:
     """How many requests of `lengths` (prompt + output tokens, taken in order and cycled) are
@@ -180,7 +197,9 @@ def capacity(model: str | ModelConfig, device: str | DeviceSpec = "h200", *, dty
                              kv_cache_bytes)
     num_blocks = max(0, int(budget // (block_size * kvb)))
     total = prompt_len + output_len
-    fit_paged = requests_that_fit(num_blocks, [total], block_size, max_model_len, "paged")
+    fit_paged = fit_one_group = requests_that_fit(num_blocks, [total], block_size, max_model_len, "paged")
+    if config.mixes_windows:  # a block group per layer kind: sliding layers hold their window only
+        fit_paged = int(budget // kv_bytes_held(config, min(total, max_model_len), itemsize, block_size))
     fit_contiguous = requests_that_fit(num_blocks, [total], block_size, max_model_len, "contiguous")
     context_len = prompt_len + output_len / 2
     cross = crossover_batch(config, spec, itemsize, context_len)
@@ -202,6 +221,7 @@ def capacity(model: str | ModelConfig, device: str | DeviceSpec = "h200", *, dty
         kv_bytes_per_token=kvb, kv_budget_bytes=budget,
         kv_cache_memory_fraction=kv_cache_memory_fraction, num_blocks=num_blocks,
         fit_paged=fit_paged, fit_contiguous=fit_contiguous, context_len=context_len,
+        fit_paged_one_group=fit_one_group,
         crossover_batch=cross, crossover_batch_no_kv=crossover_batch(config, spec, itemsize, 0),
         decode=decode, slo_itl_ms=slo_itl_ms, slo_batch=slo_batch)
 

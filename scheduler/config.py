@@ -114,8 +114,10 @@ class SchedulerConfig:
         if self.kv_allocation == "contiguous":
             raise ValueError("SchedulerConfig.sliding_window (sliding-window block accounting) is not "
                              "implemented with kv_allocation='contiguous'")
-        need = -(-min(self.max_model_len, self.sliding_window - 1 + self.max_num_batched_tokens)
-                 // self.block_size) + 1
+        # One request's window and chunk span W - 1 + chunk positions: at most one block more
+        # than they fill, and never more than a whole sequence's blocks.
+        need = min(-(-(self.sliding_window - 1 + self.max_num_batched_tokens) // self.block_size) + 1,
+                   self.max_blocks_per_seq)
         if self.num_sliding_blocks - 1 < need:
             raise ValueError(
                 f"SchedulerConfig.num_sliding_blocks ({self.num_sliding_blocks}) cannot hold one request's "

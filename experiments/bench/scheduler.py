@@ -24,6 +24,7 @@ import time
 from absl import app, flags
 
 from scheduler import Request, Scheduler, SchedulerConfig, StepResult
+from scheduler.sliding_window import num_blocks_needed
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("num_running", ["256", "1024"], "Running-request counts to time.")
@@ -36,6 +37,8 @@ flags.DEFINE_integer(
     "churn_every", 0, "Abort one request and add a new one every k steps (0: off)."
 )
 flags.DEFINE_integer("seed", 0, "Random seed.")
+flags.DEFINE_integer("sliding_window", 0, "With > 0: sliding-window block accounting with this window "
+                     "(a second block group, scheduler/sliding_window.py); 0: one group.")
 
 
 def fake_result(output) -> StepResult:
@@ -63,6 +66,11 @@ def bench(num_running: int) -> dict:
         block_size=FLAGS.block_size,
         num_blocks=num_running * blocks_per_seq + 1,
         enable_prefix_caching=FLAGS.prefix_caching,
+        **({} if not FLAGS.sliding_window else dict(
+            sliding_window=FLAGS.sliding_window, num_sliding_blocks=num_blocks_needed(
+                window=FLAGS.sliding_window, block_size=FLAGS.block_size, max_num_seqs=num_running,
+                max_num_batched_tokens=max(FLAGS.max_num_batched_tokens, num_running),
+                max_model_len=max_model_len))),
     )
     scheduler = Scheduler(config)
     max_tokens = max_model_len - FLAGS.prompt_len - 1
@@ -114,7 +122,8 @@ def main(argv) -> None:
     del argv
     print(
         f"schedule()+update() per step, {FLAGS.num_steps} steps, block_size={FLAGS.block_size}, "
-        f"prefix_caching={FLAGS.prefix_caching}, churn_every={FLAGS.churn_every}"
+        f"prefix_caching={FLAGS.prefix_caching}, churn_every={FLAGS.churn_every}, "
+        f"sliding_window={FLAGS.sliding_window or None}"
     )
     print(
         f"{'running':>8} {'sched/step':>10} {'median ms':>10} {'p90 ms':>8} {'cpu med ms':>11} "

@@ -57,6 +57,9 @@ class CapacityReport:
     decode: list[DecodePoint]
     slo_itl_ms: float | None = None
     slo_batch: int | None = None  # largest batch (<= fit_paged) whose step meets the SLO
+    # paged with one block table for every layer (differs from fit_paged for a model mixing
+    # sliding-window and global layers, whose sliding layers keep only their window's blocks)
+    fit_paged_one_group: int | None = None
 
     @property
     def weights_fit(self) -> bool:
@@ -98,7 +101,8 @@ def format_report(r: CapacityReport) -> str:
         f"of {r.block_size} tokens ({(r.num_blocks - 1) * r.block_size:,} tokens)",
         f"users that fit at {total:,}-token context ({r.prompt_len} prompt + {r.output_len} output): "
         f"paged {r.fit_paged:,}, contiguous {r.fit_contiguous:,} (max_model_len {r.max_model_len:,} "
-        "reserved each)",
+        "reserved each)" + ("" if r.fit_paged_one_group in (None, r.fit_paged) else
+                            f"; paged with one block table for every layer {r.fit_paged_one_group:,}"),
         f"decode at mean context {r.context_len:,.0f} tokens:",
         "  batch | step (ms) | bound   | per user (tok/s) | aggregate (tok/s)",
     ]

@@ -206,7 +206,7 @@ def two_group_configs(draw) -> SchedulerConfig:
         num_blocks=draw(st.integers(min_blocks, 2 * min_blocks)),
         enable_prefix_caching=draw(st.booleans()), policy=draw(st.sampled_from(["fcfs", "priority"])))
     needed = config.num_sliding_blocks
-    smallest = -(-min(max_model_len, window - 1 + budget) // block_size) + 2
+    smallest = min(-(-(window - 1 + budget) // block_size) + 1, -(-max_model_len // block_size)) + 1
     # From the smallest pool the config accepts (the sliding group runs short and preempts) to roomy.
     return sliding_config(**{**{f: getattr(config, f) for f in (
         "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "sliding_window",
