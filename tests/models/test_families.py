@@ -82,3 +82,5 @@ def test_engine_serves_transformers_greedy_tokens(name):
     assert [o.outputs[0].token_ids for o in outs] == want + want[:1]
     stats = llm.engine.scheduler.stats
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    # Gemma mixes sliding and global layers: a cache group per kind (scheduler/sliding_window.py).
+    assert len(llm.engine.runner.kv_cache) == (4 if name.startswith("gemma") else 2)

@@ -93,3 +93,27 @@ def test_one_group_unless_the_model_mixes_windows():
     assert not uses_sliding_groups(paged, preset_config("mistral-7b"))  # every layer slides: one group
     assert not uses_sliding_groups(EngineConfig(disable_hybrid_kv_cache_manager=True), preset_config("tiny-gemma3"))
     assert not uses_sliding_groups(EngineConfig(kv_allocation="contiguous"), preset_config("tiny-gemma3"))
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("backend", ["pallas_tpu", "pallas_gpu"])
+def test_pallas_kernels_read_the_sliding_tables(backend, monkeypatch):
+    """The Pallas kernels (interpret mode) get each group's tables and sample the xla path's
+    tokens (seeded, at a high temperature: every logit counts) at 6 windows of context (the
+    sliding tables' leading entries null). "pallas"
+    means the GPU kernel on the CPU; the TPU kernel is chosen by patching the builder's pick."""
+    from engine.core import builder
+    # The GPU kernel takes blocks of 16 tokens or more: two windows a block, released from 24 on.
+    knobs = dict(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=MAX_LEN, block_size=16,
+                 num_kv_blocks=12, token_buckets=(16,), seq_buckets=(2,), prompt_scoring_bucket=False)
+    prompts = [[(5 * k + 3) % 250 + 2 for k in range(n)] for n in (20, 40)]
+    params = [SamplingParams(temperature=40.0, seed=i, max_tokens=10, ignore_eos=True) for i in range(2)]
+    outs = {}
+    for name, extra in (("xla", {}), (backend, dict(attention_backend="pallas", interpret=True))):
+        if name == "pallas_tpu":
+            monkeypatch.setattr(builder, "resolve_backend", lambda *_: "pallas_tpu")
+        llm = LLM("random:tiny-gemma3", **knobs, **extra)
+        assert llm.engine.attention_backend == name
+        assert len(llm.engine.runner.kv_cache) == 4
+        outs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outs["xla"] == outs[backend]
