@@ -63,9 +63,9 @@ def test_tiny_gemma3_frees_passed_blocks_and_equals_dense():
     rng = np.random.default_rng(0)
     prompt = lambda n: [int(t) for t in rng.integers(1, 250, n)]  # noqa: E731
 
-    # Alone: 30 prompt tokens, then decodes to 8 windows (64 tokens).
-    alone = {"a": prompt(30)}
-    outs, held = run(engine, alone, {"a": 34})
+    # Alone: 56 prompt tokens, then decodes to 8 windows (64 tokens).
+    alone = {"a": prompt(56)}
+    outs, held = run(engine, alone, {"a": 8})
     num_global, num_sliding = held[-2]  # the last step before it finished: 63 tokens computed
     assert num_global == 16 and num_sliding <= 3
     # KV held, in layer-blocks: 1 global layer x 16 blocks + 3 sliding layers x <= 3 blocks,
@@ -73,14 +73,14 @@ def test_tiny_gemma3_frees_passed_blocks_and_equals_dense():
     assert (1 * num_global + 3 * num_sliding) / (4 * num_global) <= 0.5
     assert max(s for _, s in held) <= 3  # between steps: the blocks of one window (7 tokens back)
 
-    # Batched and chunked, a prefix hit, and preemption (the sequences need 64 global blocks).
+    # Batched and chunked, a prefix hit, and preemption (the sequences need 54 global blocks).
     # "a2" goes first, so no allocation evicts a's cached blocks before its hit.
     prompts = {"a2": alone["a"] + prompt(3), "b": prompt(45), "c": prompt(21), "d": prompt(60)}
-    max_tokens = {"a2": 20, "b": 20, "c": 30, "d": 12}
+    max_tokens = {"a2": 8, "b": 10, "c": 12, "d": 8}
     outs2, _ = run(engine, prompts, max_tokens)
     stats = engine.scheduler.stats
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
-    want = dense_greedy(engine.runner.params, config, {**alone, **prompts}, {"a": 34, **max_tokens})
+    want = dense_greedy(engine.runner.params, config, {**alone, **prompts}, {"a": 8, **max_tokens})
     assert {**outs, **outs2} == want
     assert stats.num_used_blocks == stats.num_sliding_used_blocks == 0
 

@@ -20,6 +20,8 @@ from tests.pallas_kernels.cases import (
     tolerance,
 )
 
+pytestmark = pytest.mark.usefixtures("fast_compile")  # tiny shapes: -O0 (tests/conftest.py)
+
 # A decode far past its window, a prefill chunk whose first rows still read an old block, a
 # prompt inside its window, and a padded row.
 CASE = Case("sliding-table", q_lens=(1, 5, 17), kv_lens=(70, 41, 17), pad_tokens=3, pad_seqs=1,
@@ -40,7 +42,9 @@ def sliding_batch(case: Case) -> tuple[dict, dict]:
     return full, {**full, "block_tables": tables, "k_pages": k_pages, "v_pages": v_pages}
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas_gpu", "pallas_tpu"])
+# The GPU kernel (5 s to compile interpreted) in the extended tier, which also runs both Pallas
+# kernels over sliding tables inside the engine (tests/models/test_sliding_window_engine.py).
+@pytest.mark.parametrize("backend", ["xla", "pallas_tpu", pytest.param("pallas_gpu", marks=pytest.mark.extended)])
 def test_windowed_layer_over_a_sliding_table_equals_the_full_table(backend):
     full, sliding = sliding_batch(CASE)
     options = case_options(CASE)
