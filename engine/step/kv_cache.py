@@ -92,10 +92,18 @@ def hybrid_num_blocks(
     or the rest of the byte budget (both pools shrink alike when it cannot hold that many)."""
     if num_kv_blocks is not None:
         return num_kv_blocks, max(2, min(num_kv_blocks, sliding_blocks_needed))
+    return split_budget(config, _budget(device, kv_cache_bytes, memory_fraction), block_size=block_size,
+                        dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_useful_blocks=max_useful_blocks,
+                        sliding_blocks_needed=sliding_blocks_needed)
+
+
+def split_budget(config: ModelConfig, budget: int, *, block_size: int, dtype: str, kv_cache_dtype: str,
+                 max_useful_blocks: int, sliding_blocks_needed: int, tp: int = 1) -> tuple[int, int]:
+    """`hybrid_num_blocks` for a byte budget (per device: each of `tp` devices holds 1 / tp of a
+    block): (global blocks, sliding blocks)."""
     per_global, per_sliding = (
-        bytes_per_block(config, block_size, dtype, kv_cache_dtype, config.num_layers_of_kind(kind))
+        bytes_per_block(config, block_size, dtype, kv_cache_dtype, config.num_layers_of_kind(kind)) // tp
         for kind in ("full_attention", "sliding_attention"))
-    budget = _budget(device, kv_cache_bytes, memory_fraction)
     num_global = (budget - sliding_blocks_needed * per_sliding) // per_global
     if num_global < sliding_blocks_needed:
         num_global = budget // (per_global + per_sliding)

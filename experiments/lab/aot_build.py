@@ -28,9 +28,10 @@ from engine.config import (
     resolve_layer_loop,
     resolve_max_model_len,
 )
+from engine.core.builder import uses_sliding_groups
 from engine.step.buckets import Bucket, RunnerShapes, resolve_seq_buckets, resolve_token_buckets
 from engine.step.executables import manifest, save_executables
-from engine.step.kv_cache import bytes_per_block
+from engine.step.kv_cache import bytes_per_block, split_budget
 from engine.step.mesh import replica_meshes
 from engine.step.placement import Placement
 from engine.step.program import lower_bucket, make_step, served_params_spec, table_state_spec
@@ -40,6 +41,7 @@ from models.config import ModelConfig
 from models.sharding import KV_CACHE_SPEC, param_specs
 from pallas_kernels import resolve_backend
 from pallas_kernels.kv_quant import allocate_scaled
+from scheduler.sliding_window import num_blocks_needed
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -89,7 +91,7 @@ class Build:
     weights_bytes: int  # per device
     kv_cache_bytes: int  # per device
     table_bytes: int  # per device (the request table: sampling state, output counts)
-    kv_bytes_per_block: int  # per device
+    kv_bytes_per_block: int  # per device, every layer's (with a sliding group kv_cache_bytes has both groups')
     buckets: list[BucketResult]
     shapes: RunnerShapes = None
     manifest: dict = None  # engine/step/executables.py: what a loading server must match
@@ -237,25 +239,34 @@ def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: st
         params = {**params, "lora": _with_sharding(lora, lora_shardings)}
     weights = tree_bytes_per_device(params)
     per_block = bytes_per_block(kv_config, bs, dtype, config.kv_cache_dtype) // tp
-    if config.num_kv_blocks is not None:
+    # engine/step/kv_cache.py num_blocks_for on an accelerator: a fraction of what is free
+    budget = int(max(0, usable - weights) * config.kv_cache_memory_fraction)
+    if platform == "cpu":
+        budget = config.kv_cache_bytes
+    max_useful = config.max_num_seqs * max_blocks_per_seq + 1
+    num_sliding_blocks = 0
+    if uses_sliding_groups(config, model):  # a cache group per layer kind (engine/core/builder.py)
+        needed = num_blocks_needed(window=model.sliding_window, block_size=bs, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   max_model_len=max_model_len)
+        if config.num_kv_blocks is not None:
+            num_blocks, num_sliding_blocks = config.num_kv_blocks, max(2, min(config.num_kv_blocks, needed))
+        else:
+            num_blocks, num_sliding_blocks = split_budget(
+                kv_config, budget, block_size=bs, dtype=dtype, kv_cache_dtype=config.kv_cache_dtype,
+                max_useful_blocks=max_useful, sliding_blocks_needed=needed, tp=tp)
+    elif config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
-    else:  # engine/step/kv_cache.py num_blocks_for on an accelerator: a fraction of what is free
-        budget = int(max(0, usable - weights) * config.kv_cache_memory_fraction)
-        if platform == "cpu":
-            budget = config.kv_cache_bytes
-        num_blocks = max(2, min(budget // per_block, config.max_num_seqs * max_blocks_per_seq + 1))
+    else:
+        num_blocks = max(2, min(budget // per_block, max_useful))
     shapes = RunnerShapes(
         token_buckets=resolve_token_buckets(config), seq_buckets=resolve_seq_buckets(config),
         max_blocks_per_seq=max_blocks_per_seq, num_blocks=num_blocks, block_size=bs,
         num_logprobs=config.max_logprobs, sample_vocab_size=model.vocab_size,
         logits_per_seq=1 + (spec.num_speculative_tokens if spec is not None else 0),
-        prompt_scoring=config.prompt_scoring_bucket)
+        prompt_scoring=config.prompt_scoring_bucket, num_sliding_blocks=num_sliding_blocks)
     kv_leaf = _kv_leaf(kv_config, num_blocks, bs, dtype, backend, kv_sharding)
-    kv_state = (kv_leaf, kv_leaf)
-    if config.kv_cache_dtype != "auto":  # values and scales (pallas_kernels/kv_quant.py), one device
-        scaled = jax.eval_shape(lambda: allocate_scaled(kv_leaf.shape, config.kv_cache_dtype))
-        scaled = _with_sharding(scaled, jax.tree.map(lambda _: kv_sharding, scaled))
-        kv_state = (scaled, scaled)
+    kv_state = _kv_state(kv_config, shapes, dtype, backend, kv_sharding, config.kv_cache_dtype)
     table = table_state_spec(shapes)
     table = _with_sharding(table, jax.tree.map(lambda _: replicated, table))
     state = (params, kv_state, table)
@@ -308,18 +319,38 @@ def _abstract_params(model: ModelConfig, dtype: str, layer_loop: str, placement,
             NamedSharding(placement.mesh, KV_CACHE_SPEC), placement.layout.padded)
 
 
-def _kv_leaf(kv_config: ModelConfig, num_blocks: int, bs: int, dtype: str, backend: str, sharding):
+def _kv_leaf(kv_config: ModelConfig, num_blocks: int, bs: int, dtype: str, backend: str, sharding,
+             num_layers: int | None = None):
     bits = backend == "xla" and np.dtype(jax.numpy.dtype(dtype)).itemsize == 2
     kv_dtype = np.uint16 if bits else jax.numpy.dtype(dtype)
-    kv_shape = (kv_config.num_layers, num_blocks, bs, kv_config.num_kv_heads, kv_config.head_dim)
+    layers = kv_config.num_layers if num_layers is None else num_layers
+    kv_shape = (layers, num_blocks, bs, kv_config.num_kv_heads, kv_config.head_dim)
     return jax.ShapeDtypeStruct(kv_shape, kv_dtype, sharding=sharding)
+
+
+def _kv_state(kv_config: ModelConfig, shapes: RunnerShapes, dtype: str, backend: str, sharding,
+              kv_cache_dtype: str = "auto") -> tuple:
+    """The cache as the runner allocates it (engine/step/kv_cache.py): (k, v), or with a sliding
+    group (shapes.num_sliding_blocks) the global layers' pair, then the sliding layers'."""
+    groups = [(kv_config.num_layers, shapes.num_blocks)]
+    if shapes.num_sliding_blocks:
+        groups = [(kv_config.num_layers_of_kind("full_attention"), shapes.num_blocks),
+                  (kv_config.num_layers_of_kind("sliding_attention"), shapes.num_sliding_blocks)]
+    state = ()
+    for layers, blocks in groups:
+        leaf = _kv_leaf(kv_config, blocks, shapes.block_size, dtype, backend, sharding, layers)
+        if kv_cache_dtype != "auto":  # values and scales (pallas_kernels/kv_quant.py), one device
+            leaf = jax.eval_shape(lambda shape=leaf.shape: allocate_scaled(shape, kv_cache_dtype))
+            leaf = _with_sharding(leaf, jax.tree.map(lambda _: sharding, leaf))
+        state += (leaf, leaf)
+    return state
 
 
 def _compile_buckets(step, shapes: RunnerShapes, buckets, state, replicated, *, layer_loop: str,
                      num_layers: int, peak: float, bandwidth: float, cost_model=None, progress=print,
                      label: str = "bucket", own_cost: bool = True) -> list[BucketResult]:
     builder = BatchBuilder(max_blocks_per_seq=shapes.max_blocks_per_seq, block_size=shapes.block_size,
-                           vocab_size=shapes.sample_vocab_size)
+                           vocab_size=shapes.sample_vocab_size, sliding=bool(shapes.num_sliding_blocks))
     results = []
     for bucket in buckets:
         start = time.perf_counter()
@@ -385,12 +416,12 @@ class _LayerCost:
                                                                           **quant)
             # The real cache: XLA's cost analysis charges a Pallas call by its own cost estimate and
             # operands, so the figures are what it says of the unrolled program (tested against one).
-            kv = _kv_leaf(kv_config, shapes.num_blocks, shapes.block_size, dtype, backend, kv_sharding)
+            kv = _kv_state(kv_config, shapes, dtype, backend, kv_sharding)
             table = table_state_spec(shapes)
             table = _with_sharding(table, jax.tree.map(lambda _, r=replicated: r, table))
             step = make_step(small, shapes, attention_backend=backend, interpret=False, layer_loop="unrolled",
                              placement=placement, keep_hidden=False)
-            self.variants.append((step, (params, (kv, kv), table), replicated))
+            self.variants.append((step, (params, kv, table), replicated))
 
     def cost(self, bucket, builder) -> tuple[float | None, float | None]:
         figures = []
@@ -411,7 +442,7 @@ def _draft_model_programs(draft: ModelConfig, shapes: RunnerShapes, *, dtype, ba
     draft_shapes = dataclasses.replace(
         shapes, token_buckets=(*shapes.token_buckets, shapes.token_buckets[-1] + shapes.max_num_seqs),
         num_logprobs=0, logits_per_seq=1, sample_vocab_size=min(shapes.sample_vocab_size, draft.vocab_size),
-        prompt_scoring=False)
+        prompt_scoring=False, num_sliding_blocks=0)  # one group over the target's global tables
     params, replicated, kv_sharding, kv_config = _abstract_params(draft, dtype, layer_loop, None, device)
     kv = _kv_leaf(kv_config, draft_shapes.num_blocks, draft_shapes.block_size, dtype, backend, kv_sharding)
     table = table_state_spec(draft_shapes)

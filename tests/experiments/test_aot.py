@@ -231,3 +231,18 @@ def test_a_manifest_that_differs_is_refused_by_field(tmp_path):
         load_executables(str(folder), {"knobs": {"block_size": 16}}, [])
     with pytest.raises(FileNotFoundError, match="no manifest"):
         load_executables(str(tmp_path), {}, [])
+
+
+@pytest.mark.extended  # make test-extended (CI runs it after make test)
+def test_a_model_mixing_windows_compiles_the_engines_two_cache_groups():
+    """random:tiny-gemma3 (3 sliding layers, 1 global): the program and the cache the engine would
+    run, a group per layer kind (engine/step/kv_cache.py), so its manifest matches a server's."""
+    from engine.core.builder import build_parts
+
+    config = EngineConfig(model="random:tiny-gemma3", max_num_seqs=4, max_num_batched_tokens=8,
+                          token_buckets=(8,), seq_buckets=(4,), max_model_len=128, prompt_scoring_bucket=False)
+    build = compile_for_target(config, preset_config("tiny-gemma3"), "cpu", progress=None)
+    runner = build_parts(config, progress=False).runner
+    assert build.fits and build.shapes == runner.shapes and build.shapes.num_sliding_blocks == 14
+    assert [x.shape[:2] for x in runner.kv_cache] == [(1, 33), (1, 33), (3, 14), (3, 14)]
+    assert build.kv_cache_bytes == sum(x.nbytes for x in runner.kv_cache)
