@@ -111,9 +111,10 @@ class SchedulerConfig:
             return
         _check_positive_int("sliding_window", self.sliding_window)
         _check_positive_int("num_sliding_blocks", self.num_sliding_blocks, minimum=2)
-        if self.kv_allocation == "contiguous":
+        if self.kv_allocation == "contiguous" or self.policy == "static":
             raise ValueError("SchedulerConfig.sliding_window (sliding-window block accounting) is not "
-                             "implemented with kv_allocation='contiguous'")
+                             "implemented with kv_allocation='contiguous' or policy='static' (the "
+                             "baselines reserve whole sequences or prompts up front)")
         # One request's window and chunk span W - 1 + chunk positions: at most one block more
         # than they fill, and never more than a whole sequence's blocks.
         need = min(-(-(self.sliding_window - 1 + self.max_num_batched_tokens) // self.block_size) + 1,

@@ -75,11 +75,12 @@ def scheduler_config_for(config: EngineConfig, *, max_model_len: int, num_blocks
 
 def uses_sliding_groups(config: EngineConfig, model) -> bool:
     """Sliding-window block accounting (a KV cache group per layer kind) for a model mixing
-    sliding-window and global layers, unless disable_hybrid_kv_cache_manager, the contiguous
-    baseline (which reserves whole sequences) or disaggregation (whose pools move blocks of
-    every layer) asks for one group."""
+    sliding-window and global layers, unless disable_hybrid_kv_cache_manager, the baselines
+    (contiguous allocation and the static policy reserve whole sequences or prompts up front) or
+    disaggregation (whose pools move blocks of every layer) ask for one group."""
     return (model.mixes_windows and not config.disable_hybrid_kv_cache_manager
-            and config.kv_allocation == "paged" and config.disaggregation is None)
+            and config.kv_allocation == "paged" and config.policy != "static"
+            and config.disaggregation is None)
 
 
 def load_for_mesh(config: EngineConfig, *, progress: bool = True):

@@ -93,6 +93,7 @@ def test_one_group_unless_the_model_mixes_windows():
     assert not uses_sliding_groups(paged, preset_config("mistral-7b"))  # every layer slides: one group
     assert not uses_sliding_groups(EngineConfig(disable_hybrid_kv_cache_manager=True), preset_config("tiny-gemma3"))
     assert not uses_sliding_groups(EngineConfig(kv_allocation="contiguous"), preset_config("tiny-gemma3"))
+    assert not uses_sliding_groups(EngineConfig(policy="static"), preset_config("tiny-gemma3"))
 
 
 @pytest.mark.extended
