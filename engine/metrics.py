@@ -49,6 +49,8 @@ _ENGINE_METRICS = (
     ("num_free_blocks", "num_free_blocks", "gauge", "KV cache blocks free (no owner, nothing cached)."),
     ("num_cached_blocks", "num_cached_blocks", "gauge",
      "KV cache blocks with no owner whose contents stay in the prefix cache (evictable)."),
+    ("num_sliding_used_blocks", "num_sliding_used_blocks", "gauge",
+     "Blocks in use in the sliding-window layers' own pool (a model mixing windows; 0 otherwise)."),
     ("prefix_cache_queries", "prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache."),
     ("prefix_cache_hits", "prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache."),
     ("num_preemptions", "num_preemptions", "counter", "Requests preempted (recomputed) for lack of KV blocks."),

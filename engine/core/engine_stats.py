@@ -33,6 +33,9 @@ class EngineStats:
     grammar_compile_seconds: float = 0.0  # total time building grammars (on the callers' threads)
     mask_fill_seconds: float = 0.0  # host time filling token masks in the step loop
     num_mask_steps: int = 0  # steps that filled at least one token mask
+    # sliding-window accounting (scheduler/sliding_window.py): blocks in use in the sliding layers'
+    # pool (the counts above are the global layers'); 0 without it
+    num_sliding_used_blocks: int = 0
     weight_bytes_per_device: tuple[int, ...] = ()  # the weights' shards on each device of the group
     kv_cache_bytes_per_device: tuple[int, ...] = ()  # the KV cache's shards on each device
     replicas: tuple = ()  # data parallelism (engine/scaleout/dp_engine.py): each replica's own EngineStats

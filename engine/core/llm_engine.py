@@ -418,6 +418,7 @@ class LLMEngine:
             grammar_compile_seconds=compiler.stats.compile_seconds if compiler else 0.0,
             mask_fill_seconds=getattr(builder, "mask_seconds", 0.0),
             num_mask_steps=getattr(builder, "num_mask_steps", 0),
+            num_sliding_used_blocks=s.num_sliding_used_blocks,
             weight_bytes_per_device=self._device_bytes[0], kv_cache_bytes_per_device=self._device_bytes[1])
 
 

@@ -35,7 +35,7 @@ from engine.scaleout.router import PrefixAffinityRouter
 _SUMMED = ("num_running", "num_waiting", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
            "num_prompt_tokens", "num_generation_tokens", "num_steps", "num_free_blocks",
            "num_cached_blocks", "num_failed_steps", "num_constrained_requests", "num_grammars_compiled",
-           "grammar_compile_seconds", "mask_fill_seconds", "num_mask_steps")
+           "grammar_compile_seconds", "mask_fill_seconds", "num_mask_steps", "num_sliding_used_blocks")
 
 
 def make_engine(config: EngineConfig, *, progress: bool = True):

@@ -48,6 +48,7 @@ def run(engine, prompts: dict, max_tokens: dict) -> tuple[dict, list]:
             if o.finished:
                 outs[o.request_id] = o.outputs[0].token_ids
         held.append((kv.pool.num_used_blocks, kv.sliding.pool.num_used_blocks))
+        assert engine.get_stats().num_sliding_used_blocks == held[-1][1]  # reported (and in /metrics)
     return outs, held
 
 
