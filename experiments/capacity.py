@@ -133,7 +133,7 @@ def kv_bytes_held(config: ModelConfig, num_tokens: int, itemsize: int, block_siz
     only the blocks their window reads (scheduler/sliding_window.py)."""
     blocks = blocks_for(num_tokens, block_size)
     per_layer_block = 2 * block_size * config.num_kv_heads * config.head_dim * itemsize
-    if not (sliding_groups and config.mixes_windows):
+    if not (sliding_groups and config.has_sliding_layers):
         return blocks * config.num_layers * per_layer_block
     window_blocks = min(blocks, blocks_for(config.sliding_window - 1, block_size) + 1)
     return per_layer_block * (blocks * config.num_layers_of_kind("full_attention")
@@ -198,7 +198,7 @@ def capacity(model: str | ModelConfig, device: str | DeviceSpec = "h200", *, dty
     num_blocks = max(0, int(budget // (block_size * kvb)))
     total = prompt_len + output_len
     fit_paged = fit_one_group = requests_that_fit(num_blocks, [total], block_size, max_model_len, "paged")
-    if config.mixes_windows:  # a block group per layer kind: sliding layers hold their window only
+    if config.has_sliding_layers:  # sliding accounting: the sliding layers hold their window only
         fit_paged = int(budget // kv_bytes_held(config, min(total, max_model_len), itemsize, block_size))
     fit_contiguous = requests_that_fit(num_blocks, [total], block_size, max_model_len, "contiguous")
     context_len = prompt_len + output_len / 2

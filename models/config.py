@@ -141,6 +141,11 @@ class ModelConfig:
         return tuple(self.layer_kind(i) for i in range(self.num_layers))
 
     @property
+    def has_sliding_layers(self) -> bool:
+        """Some layer attends over a sliding window (Mistral v0.1: every layer; Gemma 2/3: some)."""
+        return "sliding_attention" in self.layer_kinds
+
+    @property
     def mixes_windows(self) -> bool:
         """Both sliding-window and global layers (Gemma 2/3): the KV cache can keep a block group
         per kind (engine/step/kv_cache.py, scheduler/sliding_window.py)."""

@@ -132,7 +132,8 @@ class SchedulerStats:
     num_cached_blocks: int
     # Blocks with ref count > 0.
     num_used_blocks: int
-    # num_used_blocks / (num_blocks - 1), in [0, 1].
+    # num_used_blocks / (num_blocks - 1), in [0, 1]; with sliding-window accounting the larger of
+    # that and the sliding pool's share.
     kv_cache_usage: float
     # Tokens looked up in the prefix cache at admissions (re-admissions after preemption included).
     prefix_cache_queries: int

@@ -18,7 +18,10 @@ class SchedulerObservability:
             num_free_blocks=pool.num_free_blocks,
             num_cached_blocks=pool.num_cached_blocks,
             num_used_blocks=pool.num_used_blocks,
-            kv_cache_usage=pool.num_used_blocks / (pool.num_blocks - 1),
+            # The fuller pool's share (with sliding accounting: the global pool holds no memory when
+            # every layer slides, and the sliding pool is sized never to run short otherwise).
+            kv_cache_usage=max(pool.num_used_blocks / (pool.num_blocks - 1), 0.0 if sliding is None else
+                               sliding.pool.num_used_blocks / (sliding.pool.num_blocks - 1)),
             prefix_cache_queries=self.kv_cache_manager.prefix_cache_queries,
             prefix_cache_hits=self.kv_cache_manager.prefix_cache_hits,
             num_preemptions=self.num_preemptions,

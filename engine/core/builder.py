@@ -74,13 +74,18 @@ def scheduler_config_for(config: EngineConfig, *, max_model_len: int, num_blocks
 
 
 def uses_sliding_groups(config: EngineConfig, model) -> bool:
-    """Sliding-window block accounting (a KV cache group per layer kind) for a model mixing
-    sliding-window and global layers, unless disable_hybrid_kv_cache_manager, the baselines
-    (contiguous allocation and the static policy reserve whole sequences or prompts up front) or
-    disaggregation (whose pools move blocks of every layer) ask for one group."""
-    return (model.mixes_windows and not config.disable_hybrid_kv_cache_manager
+    """Sliding-window block accounting (scheduler/sliding_window.py) for a model with sliding-window
+    layers: a KV cache group per layer kind when it mixes them with global ones (Gemma 2/3), the
+    sliding group alone when every layer slides (Mistral v0.1; engine/step/kv_cache.py
+    cache_groups). Not with disable_hybrid_kv_cache_manager, the baselines (contiguous allocation
+    and the static policy reserve whole sequences or prompts up front), disaggregation (whose pools
+    move blocks of every layer), nor, when every layer slides, a draft model (it reads the global
+    tables, which then hold no memory)."""
+    spec = config.speculative_config
+    draft_model = spec is not None and spec.method == "draft_model"
+    return (model.has_sliding_layers and not config.disable_hybrid_kv_cache_manager
             and config.kv_allocation == "paged" and config.policy != "static"
-            and config.disaggregation is None)
+            and config.disaggregation is None and (model.mixes_windows or not draft_model))
 
 
 def load_for_mesh(config: EngineConfig, *, progress: bool = True):
@@ -133,11 +138,16 @@ def build_parts(config: EngineConfig, *, progress: bool = True, mesh=None, loade
                   max_useful_blocks=config.max_num_seqs * max_blocks_per_seq + 1,
                   kv_cache_dtype=config.kv_cache_dtype)
     sliding_window, num_sliding_blocks = None, 0
-    if uses_sliding_groups(config, loaded.config):
+    if uses_sliding_groups(config, loaded.config) and loaded.config.mixes_windows:
         sliding_window = loaded.config.sliding_window
         num_blocks, num_sliding_blocks = hybrid_num_blocks(kv_config, **sizing, sliding_blocks_needed=num_blocks_needed(
             window=sliding_window, block_size=bs, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len))
+    elif uses_sliding_groups(config, loaded.config):
+        # Every layer slides: the cache (the whole budget, or num_kv_blocks) is the sliding pool;
+        # the global pool holds no memory (prefix hashes and table lengths), sized never to run short.
+        sliding_window = loaded.config.sliding_window
+        num_sliding_blocks, num_blocks = num_blocks_for(kv_config, **sizing), sizing["max_useful_blocks"]
     else:
         num_blocks = num_blocks_for(kv_config, **sizing)
     if (num_blocks - 1) * bs < max_model_len:

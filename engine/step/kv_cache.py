@@ -35,6 +35,20 @@ from models.config import ModelConfig
 from pallas_kernels.kv_quant import allocate_scaled, bytes_per_value_and_scale
 
 
+def cache_groups(config: ModelConfig, num_blocks: int, num_sliding_blocks: int) -> tuple[int, int, str]:
+    """How a runner lays out the scheduler's pools (RunnerShapes.num_blocks, num_sliding_blocks):
+    (blocks of its first cache group, of its second (0: none), which tables its steps carry):
+    "global" without sliding accounting; "both" for a model mixing windows (two groups); and for a
+    model whose every layer slides "sliding": one group, over the sliding pool, read through the
+    sliding tables (the scheduler's global pool then holds no memory: it keeps the prefix hashes and
+    the tables' lengths)."""
+    if not num_sliding_blocks:
+        return num_blocks, 0, "global"
+    if config.mixes_windows:
+        return num_blocks, num_sliding_blocks, "both"
+    return num_sliding_blocks, 0, "sliding"
+
+
 def kv_bytes_per_token(config: ModelConfig, dtype: str, kv_cache_dtype: str = "auto",
                        num_layers: int | None = None) -> int:
     """K and V bytes of one token over all layers (or `num_layers` of them): the model dtype's,

@@ -37,7 +37,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from engine.step.buckets import Bucket, RunnerShapes
-from engine.step.kv_cache import allocate_kv_cache
+from engine.step.kv_cache import allocate_kv_cache, cache_groups
 from engine.step.placement import Placement
 from engine.step.program import lower_bucket, make_step, serve_layout
 from engine.step.request_table import RequestTable
@@ -78,6 +78,8 @@ class ModelRunner:
         self.dtype = dtype
         self.placement = placement
         bits = attention_backend == "xla"
+        # The cache groups (engine/step/kv_cache.py): one, or two with a sliding group.
+        cache_blocks, sliding_blocks, tables = cache_groups(model_config, shapes.num_blocks, shapes.num_sliding_blocks)
         if placement is None:
             # Served layout (models/llama.py): q/k/v and gate/up fused into one product each;
             # stacked 16-bit layers as their bits.
@@ -86,9 +88,9 @@ class ModelRunner:
             # channel of the served layout; the float copy is dropped with the caller's.
             self.params = serve_layout(jax.tree.map(jnp.asarray, params), layer_loop, quantization,
                                        activation_rows)
-            self.kv_cache = allocate_kv_cache(model_config, shapes.num_blocks, shapes.block_size, dtype,
+            self.kv_cache = allocate_kv_cache(model_config, cache_blocks, shapes.block_size, dtype,
                                               bits=bits, kv_cache_dtype=kv_cache_dtype,
-                                              num_sliding_blocks=shapes.num_sliding_blocks)
+                                              num_sliding_blocks=sliding_blocks)
         else:
             if quantization is not None or kv_cache_dtype != "auto":
                 raise ValueError("ModelRunner: quantized weights and an 8-bit KV cache run on one device "
@@ -98,9 +100,9 @@ class ModelRunner:
             # On a mesh (placement.py): params already padded, fused per shard and placed
             # shard by shard; the cache split on KV heads; inputs and the table replicated.
             self.params = params
-            self.kv_cache = allocate_kv_cache(placement.layout.padded, shapes.num_blocks, shapes.block_size,
+            self.kv_cache = allocate_kv_cache(placement.layout.padded, cache_blocks, shapes.block_size,
                                               dtype, bits=bits, sharding=placement.kv_sharding,
-                                              num_sliding_blocks=shapes.num_sliding_blocks)
+                                              num_sliding_blocks=sliding_blocks)
         self.lora = lora
         if lora is not None:
             self.params = {**self.params, "lora": lora.buffers}
@@ -108,7 +110,7 @@ class ModelRunner:
                                   sharding=None if placement is None else placement.replicated)
         self.builder = BatchBuilder(max_blocks_per_seq=shapes.max_blocks_per_seq,
                                     block_size=shapes.block_size, vocab_size=shapes.sample_vocab_size,
-                                    sliding=bool(shapes.num_sliding_blocks))
+                                    tables=tables)
         self._step = make_step(model_config, shapes, attention_backend=attention_backend,
                                interpret=interpret, layer_loop=layer_loop, placement=placement,
                                keep_hidden=keep_hidden, lora_method=lora_method)

@@ -139,11 +139,16 @@ class BatchBuilder:
     """Turns a SchedulerOutput into the flat input buffer of its bucket."""
 
     def __init__(self, *, max_blocks_per_seq: int, block_size: int, vocab_size: int = 32,
-                 sliding: bool = False):
-        """sliding: the steps carry the sliding layers' tables and slots too
-        (ScheduledRequest.sliding_block_ids; a two-group cache)."""
+                 tables: str = "global"):
+        """tables (engine/step/kv_cache.py cache_groups): "global", the scheduler's block_ids;
+        "both", also the sliding layers' tables and slots (ScheduledRequest.sliding_block_ids, a
+        two-group cache); "sliding", block_tables and slot_mapping from sliding_block_ids (every
+        layer slides: the one cache group is the sliding pool)."""
+        if tables not in ("global", "both", "sliding"):
+            raise ValueError(f"BatchBuilder.tables must be global, both or sliding, got {tables!r}")
         self.block_size = block_size
-        self.sliding = sliding
+        self.sliding = tables == "both"
+        self.tables = tables
         self.max_blocks_per_seq = max_blocks_per_seq
         self.mask_words = -(-vocab_size // 32)
         self._layouts: dict[tuple[int, int, int], StepLayout] = {}
@@ -188,6 +193,8 @@ class BatchBuilder:
             v["input_ids"][pos:end] = sr.token_ids
             tables[row, : len(sr.block_ids)] = sr.block_ids
             pos = end
+        if self.tables == "sliding":  # every layer slides: the cache is the sliding pool's
+            self._fill_tables(tables, scheduled)
         # Positions and slots of every token at once: token i of row r sits at starts[r] + i.
         row_of_token = np.repeat(np.arange(num_seqs, dtype=np.int32), q_lens)
         positions = np.arange(num_tokens, dtype=np.int32) - np.repeat(ends - q_lens - starts, q_lens)
@@ -236,12 +243,16 @@ class BatchBuilder:
         """The sliding layers' tables (their live tables: null entries where the window has passed)
         and the slots the step's tokens are written at (always in blocks the table holds)."""
         tables, bs = v["sliding_block_tables"], self.block_size
+        self._fill_tables(tables, scheduled)
+        v["sliding_slot_mapping"][: len(positions)] = tables[row_of_token, positions // bs] * bs + positions % bs
+
+    @staticmethod
+    def _fill_tables(tables, scheduled) -> None:
         for row, sr in enumerate(scheduled):
             if sr.sliding_block_ids is None:
                 raise ValueError(f"request {sr.req_id!r}: the runner's cache has a sliding layers' group "
                                  "but the step carries no sliding_block_ids (SchedulerConfig.sliding_window)")
             tables[row, : len(sr.sliding_block_ids)] = sr.sliding_block_ids
-        v["sliding_slot_mapping"][: len(positions)] = tables[row_of_token, positions // bs] * bs + positions % bs
 
     @staticmethod
     def _prompt_targets(targets, scheduled, row_logits, row_prompt, table: RequestTable) -> None:

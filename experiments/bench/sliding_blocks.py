@@ -65,8 +65,8 @@ def main(argv) -> None:
     if not FLAGS.model.startswith("random:"):
         raise ValueError(f"--model={FLAGS.model!r}: a random:<preset> (its shape is all this needs)")
     config = preset_config(FLAGS.model.split(":", 1)[1])
-    if not config.mixes_windows:
-        raise ValueError(f"--model={FLAGS.model!r} does not mix sliding-window and global layers")
+    if not config.has_sliding_layers:
+        raise ValueError(f"--model={FLAGS.model!r} has no sliding-window layers")
     print(f"{config.name}: {config.num_layers_of_kind('sliding_attention')} sliding layers (window "
           f"{config.sliding_window}) + {config.num_layers_of_kind('full_attention')} global, block_size "
           f"{FLAGS.block_size}, chunks of {FLAGS.max_num_batched_tokens}")

@@ -31,7 +31,7 @@ from engine.config import (
 from engine.core.builder import uses_sliding_groups
 from engine.step.buckets import Bucket, RunnerShapes, resolve_seq_buckets, resolve_token_buckets
 from engine.step.executables import manifest, save_executables
-from engine.step.kv_cache import bytes_per_block, split_budget
+from engine.step.kv_cache import bytes_per_block, cache_groups, split_budget
 from engine.step.mesh import replica_meshes
 from engine.step.placement import Placement
 from engine.step.program import lower_bucket, make_step, served_params_spec, table_state_spec
@@ -245,7 +245,10 @@ def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: st
         budget = config.kv_cache_bytes
     max_useful = config.max_num_seqs * max_blocks_per_seq + 1
     num_sliding_blocks = 0
-    if uses_sliding_groups(config, model):  # a cache group per layer kind (engine/core/builder.py)
+    if uses_sliding_groups(config, model) and not model.mixes_windows:  # every layer slides (builder.py)
+        num_sliding_blocks = config.num_kv_blocks or max(2, min(budget // per_block, max_useful))
+        num_blocks = max_useful
+    elif uses_sliding_groups(config, model):  # a cache group per layer kind (engine/core/builder.py)
         needed = num_blocks_needed(window=model.sliding_window, block_size=bs, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=max_model_len)
@@ -280,6 +283,7 @@ def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: st
             and config.kv_cache_dtype == "auto") else None
     # Without the unrolled compiles a scanned program's own cost holds one layer: none reported.
     results = _compile_buckets(step, shapes, shapes.all_buckets(), state, replicated, layer_loop=layer_loop,
+                               tables=cache_groups(model, shapes.num_blocks, shapes.num_sliding_blocks)[2],
                                num_layers=model.num_layers, peak=peak, bandwidth=bandwidth,
                                cost_model=cost_model, progress=progress,
                                own_cost=layer_loop == "unrolled" or platform != "tpu")
@@ -332,10 +336,11 @@ def _kv_state(kv_config: ModelConfig, shapes: RunnerShapes, dtype: str, backend:
               kv_cache_dtype: str = "auto") -> tuple:
     """The cache as the runner allocates it (engine/step/kv_cache.py): (k, v), or with a sliding
     group (shapes.num_sliding_blocks) the global layers' pair, then the sliding layers'."""
-    groups = [(kv_config.num_layers, shapes.num_blocks)]
-    if shapes.num_sliding_blocks:
-        groups = [(kv_config.num_layers_of_kind("full_attention"), shapes.num_blocks),
-                  (kv_config.num_layers_of_kind("sliding_attention"), shapes.num_sliding_blocks)]
+    first, second, _ = cache_groups(kv_config, shapes.num_blocks, shapes.num_sliding_blocks)
+    groups = [(kv_config.num_layers, first)]
+    if second:
+        groups = [(kv_config.num_layers_of_kind("full_attention"), first),
+                  (kv_config.num_layers_of_kind("sliding_attention"), second)]
     state = ()
     for layers, blocks in groups:
         leaf = _kv_leaf(kv_config, blocks, shapes.block_size, dtype, backend, sharding, layers)
@@ -348,9 +353,9 @@ def _kv_state(kv_config: ModelConfig, shapes: RunnerShapes, dtype: str, backend:
 
 def _compile_buckets(step, shapes: RunnerShapes, buckets, state, replicated, *, layer_loop: str,
                      num_layers: int, peak: float, bandwidth: float, cost_model=None, progress=print,
-                     label: str = "bucket", own_cost: bool = True) -> list[BucketResult]:
+                     label: str = "bucket", own_cost: bool = True, tables: str = "global") -> list[BucketResult]:
     builder = BatchBuilder(max_blocks_per_seq=shapes.max_blocks_per_seq, block_size=shapes.block_size,
-                           vocab_size=shapes.sample_vocab_size, sliding=bool(shapes.num_sliding_blocks))
+                           vocab_size=shapes.sample_vocab_size, tables=tables)
     results = []
     for bucket in buckets:
         start = time.perf_counter()

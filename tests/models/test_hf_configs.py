@@ -86,6 +86,9 @@ def test_engine_serves_the_folder_with_transformers_greedy_tokens(name):
     outs = llm.generate([list(p) for p in REFERENCE["prompts"]],
                         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == REFERENCE["greedy"][name]
+    if name == "mistral_window":  # every layer slides (window 5): one cache over the sliding pool
+        kv = llm.engine.scheduler.kv_cache_manager
+        assert kv.sliding is not None and llm.engine.runner.kv_cache[0].shape[1] == kv.sliding.pool.num_blocks
 
 
 # ---- refusals: each names the field and the value -------------------------------------------

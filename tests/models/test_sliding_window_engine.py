@@ -17,6 +17,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.core.builder import uses_sliding_groups
+from engine.step.kv_cache import cache_groups
 from models.config import preset_config
 from models.llama import forward_dense
 
@@ -86,12 +87,20 @@ def test_tiny_gemma3_frees_passed_blocks_and_equals_dense():
     assert stats.num_used_blocks == stats.num_sliding_used_blocks == 0
 
 
-def test_one_group_unless_the_model_mixes_windows():
+def test_one_group_unless_the_model_has_sliding_layers():
     paged = EngineConfig()
     assert uses_sliding_groups(paged, preset_config("tiny-gemma3"))
     assert uses_sliding_groups(paged, preset_config("gemma2-9b"))
     assert not uses_sliding_groups(paged, preset_config("tiny"))
-    assert not uses_sliding_groups(paged, preset_config("mistral-7b"))  # every layer slides: one group
+    assert uses_sliding_groups(paged, preset_config("mistral-7b"))  # every layer slides: the sliding group alone
+    draft = EngineConfig(speculative_config={"method": "draft_model", "model": "random:tiny",
+                                             "num_speculative_tokens": 2})
+    assert not uses_sliding_groups(draft, preset_config("mistral-7b"))  # a draft reads the global tables
+    assert uses_sliding_groups(draft, preset_config("tiny-gemma3"))
+    # How a runner lays the pools out (engine/step/kv_cache.py): one group, two, or the sliding one alone.
+    assert cache_groups(preset_config("tiny"), 33, 0) == (33, 0, "global")
+    assert cache_groups(preset_config("tiny-gemma3"), 33, 14) == (33, 14, "both")
+    assert cache_groups(preset_config("mistral-7b"), 513, 40) == (40, 0, "sliding")
     assert not uses_sliding_groups(EngineConfig(disable_hybrid_kv_cache_manager=True), preset_config("tiny-gemma3"))
     assert not uses_sliding_groups(EngineConfig(kv_allocation="contiguous"), preset_config("tiny-gemma3"))
     assert not uses_sliding_groups(EngineConfig(policy="static"), preset_config("tiny-gemma3"))
