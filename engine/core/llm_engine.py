@@ -113,11 +113,18 @@ class LLMEngine:
             raise ValueError("reconfigure_scheduler needs an idle engine: requests are in flight; finish or abort them first")
         config = dataclasses.replace(self.config, **changes)
         shapes = getattr(self.runner, "shapes", None)
-        num_blocks = config.num_kv_blocks or self._num_blocks
+        old = self.scheduler.config  # the runner's cache groups stay: so does the sliding group
+        num_blocks, num_sliding = config.num_kv_blocks or self._num_blocks, old.num_sliding_blocks
+        cache, limit = num_blocks, "num_blocks"  # the cache's blocks, and what the runner allocated
+        if old.sliding_window is not None and not getattr(self.model_config, "mixes_windows", True):
+            # Every layer slides: num_kv_blocks is the sliding pool (the cache); the global pool
+            # holds no memory and keeps its size.
+            num_blocks, num_sliding = old.num_blocks, config.num_kv_blocks or num_sliding
+            cache, limit = num_sliding, "num_sliding_blocks"
         if shapes is not None:
-            if num_blocks > shapes.num_blocks:
-                raise ValueError(f"reconfigure_scheduler: num_kv_blocks={num_blocks} exceeds the "
-                                 f"allocated cache ({shapes.num_blocks} blocks)")
+            if cache > getattr(shapes, limit):
+                raise ValueError(f"reconfigure_scheduler: num_kv_blocks={cache} exceeds the "
+                                 f"allocated cache ({getattr(shapes, limit)} blocks)")
             if config.max_num_batched_tokens > shapes.token_buckets[-1]:
                 raise ValueError(f"reconfigure_scheduler: max_num_batched_tokens="
                                  f"{config.max_num_batched_tokens} exceeds the largest compiled "
@@ -133,10 +140,9 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.after_schedule(out, self.scheduler)
         self.runner.execute(out)
-        old = self.scheduler.config  # the runner's cache groups stay: so does the sliding group
         self.scheduler = Scheduler(scheduler_config_for(config, max_model_len=self.max_model_len,
                                                         num_blocks=num_blocks, sliding_window=old.sliding_window,
-                                                        num_sliding_blocks=old.num_sliding_blocks))
+                                                        num_sliding_blocks=num_sliding))
         self.config = config
         return self.scheduler
 
