@@ -2,13 +2,15 @@
 
     python -m experiments.bench.sliding_blocks --model=random:gemma3-27b --contexts=4096,8192,32768
 
-For each context c, one request of c - 1 prompt tokens runs through the Scheduler with a block
-group per layer kind (scheduler/sliding_window.py; pure Python, a fake step samples token 1): its
-prompt in chunks of max_num_batched_tokens, then one decode step, which leaves c tokens computed.
-The blocks it holds then are read off the two pools, and the most the sliding pool held during
-any step (after schedule(): the window's blocks plus the chunk's, before update() releases). KV held is counted in layer-blocks (one layer's K and V of one block: a global block holds
-the global layers only, a sliding block the sliding layers only) against the same model with every
-layer global (one block table: every block of every layer), and in GiB at `--dtype`.
+For each context c, one request of c - 1 prompt tokens runs through the Scheduler with
+sliding-window accounting (scheduler/sliding_window.py; pure Python, a fake step samples token 1):
+its prompt in chunks of max_num_batched_tokens, then one decode step, which leaves c tokens
+computed. The blocks it holds then are read off the two pools, and the most the sliding pool held
+during any step (after schedule(): the window's blocks plus the chunk's, before update()
+releases). KV held is counted in layer-blocks (one layer's K and V of one block: a global block
+holds the global layers only, a sliding block the sliding layers only; a model whose every layer
+slides has no global layers, its global pool holds no memory) against the same model with every
+layer global (one block table: every block of every layer), and in GiB at `--itemsize`.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ FLAGS = flags.FLAGS
 
 def define_flags() -> None:
     """Defined only when run as a program (a test imports `measure` beside other modules)."""
-    flags.DEFINE_string("model", "random:gemma3-27b", "A random:<preset> mixing sliding-window and global "
-                        "layers (models/config.py PRESETS).")
+    flags.DEFINE_string("model", "random:gemma3-27b", "A random:<preset> with sliding-window layers "
+                        "(models/config.py PRESETS).")
     flags.DEFINE_list("contexts", ["4096", "8192", "32768"], "Context lengths (tokens) to measure at.")
     flags.DEFINE_integer("block_size", 16, "Tokens per KV block.")
     flags.DEFINE_integer("max_num_batched_tokens", 2048, "Prefill chunk (token budget per step).")
