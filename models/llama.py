@@ -324,8 +324,9 @@ def forward_paged(
     `kv_cache` is (k_cache, v_cache), each [num_layers, num_blocks, block_size, k, d]
     (engine/step/kv_cache.py), or for a model mixing windows with sliding-window accounting the
     two groups (k_global, v_global, k_sliding, v_sliding), the sliding layers' read through
-    `batch.sliding_block_tables` and written at `batch.sliding_slot_mapping`; in the model dtype or, for a 16-bit model on the xla path, uint16
-    holding its bits (pallas_kernels/kv_write.py), or an 8-bit cache, each a ScaledCache of values
+    `batch.sliding_block_tables` and written at `batch.sliding_slot_mapping` (a model whose
+    every layer slides has one group, read through the sliding tables by the runner's choice); in
+    the model dtype or, for a 16-bit model on the xla path, uint16 holding its bits (pallas_kernels/kv_write.py), or an 8-bit cache, each a ScaledCache of values
     and per-(token, kv head) scales (pallas_kernels/kv_quant.py). `batch` has the StepInputs fields: input_ids [T], positions [T],
     slot_mapping [T], query_start_loc [S+1], seq_lens [S], block_tables [S, max_blocks_per_seq],
     num_seqs [], logits_indices [L] (see engine/step/step_inputs.py); with adapters in
