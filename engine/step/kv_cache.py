@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from models.config import ModelConfig
-from pallas_kernels.kv_quant import allocate_scaled, bytes_per_value_and_scale
+from pallas_kernels.kv_quant import ScaledCache, allocate_scaled, bytes_per_value_and_scale
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: str, kv_cache_dtype: str = "auto") -> int:
@@ -62,17 +63,28 @@ def num_blocks_for(
     return max(2, min(budget // per_block, max_useful_blocks))
 
 
+def scaled_sharding(sharding, kv_cache_dtype: str) -> ScaledCache:
+    """The sharding of one ScaledCache whose values have `sharding` (a NamedSharding of the
+    [L, blocks, block_size, Hkv, D] values): the scales [L, blocks, block_size, Hkv] split alike."""
+    scales = NamedSharding(sharding.mesh, PartitionSpec(*tuple(sharding.spec)[:4]))
+    return ScaledCache(sharding, scales, kv_cache_dtype)
+
+
 def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: str, *,
                       bits: bool = False, sharding=None, kv_cache_dtype: str = "auto") -> tuple:
     """Zeroed (k_cache, v_cache); bits=True stores a 16-bit dtype as uint16 (same bytes).
     `sharding` (a NamedSharding splitting the KV-head axis, models/sharding.py): each device
     allocates only its own shard. kv_cache_dtype "int8" / "fp8_e4m3": each of K and V is a
-    ScaledCache (values and scales, pallas_kernels/kv_quant.py; one device only)."""
+    ScaledCache (values and scales, pallas_kernels/kv_quant.py; on a mesh both split on KV
+    heads)."""
     shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
     if kv_cache_dtype != "auto":
-        if sharding is not None:
-            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not implemented on a mesh (one device only)")
-        return allocate_scaled(shape, kv_cache_dtype), allocate_scaled(shape, kv_cache_dtype)
+        if sharding is None:
+            return allocate_scaled(shape, kv_cache_dtype), allocate_scaled(shape, kv_cache_dtype)
+        split = scaled_sharding(sharding, kv_cache_dtype)
+        zeros = jax.jit(lambda: (allocate_scaled(shape, kv_cache_dtype), allocate_scaled(shape, kv_cache_dtype)),
+                        out_shardings=(split, split))
+        return zeros()
     if bits and jnp.dtype(dtype).itemsize == 2:
         dtype = jnp.uint16
     if sharding is None:

@@ -89,16 +89,15 @@ class ModelRunner:
             self.kv_cache = allocate_kv_cache(model_config, shapes.num_blocks, shapes.block_size, dtype,
                                               bits=bits, kv_cache_dtype=kv_cache_dtype)
         else:
-            if quantization is not None or kv_cache_dtype != "auto":
-                raise ValueError("ModelRunner: quantized weights and an 8-bit KV cache run on one device "
-                                 "(no placement) for now")
             if keep_hidden:
                 raise ValueError("ModelRunner(keep_hidden=True) runs on one device (no placement)")
             # On a mesh (placement.py): params already padded, fused per shard and placed
-            # shard by shard; the cache split on KV heads; inputs and the table replicated.
+            # shard by shard (and quantized there: Placement.place(quantization=...)); the cache
+            # split on KV heads, an 8-bit one's scales too; inputs and the table replicated.
             self.params = params
             self.kv_cache = allocate_kv_cache(placement.layout.padded, shapes.num_blocks, shapes.block_size,
-                                              dtype, bits=bits, sharding=placement.kv_sharding)
+                                              dtype, bits=bits, sharding=placement.kv_sharding,
+                                              kv_cache_dtype=kv_cache_dtype)
         self.lora = lora
         if lora is not None:
             self.params = {**self.params, "lora": lora.buffers}
