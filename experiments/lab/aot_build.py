@@ -30,7 +30,7 @@ from engine.config import (
 )
 from engine.step.buckets import Bucket, RunnerShapes, resolve_seq_buckets, resolve_token_buckets
 from engine.step.executables import manifest, save_executables
-from engine.step.kv_cache import bytes_per_block
+from engine.step.kv_cache import bytes_per_block, scaled_sharding
 from engine.step.mesh import replica_meshes
 from engine.step.placement import Placement
 from engine.step.program import lower_bucket, make_step, served_params_spec, table_state_spec
@@ -252,9 +252,11 @@ def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: st
         prompt_scoring=config.prompt_scoring_bucket)
     kv_leaf = _kv_leaf(kv_config, num_blocks, bs, dtype, backend, kv_sharding)
     kv_state = (kv_leaf, kv_leaf)
-    if config.kv_cache_dtype != "auto":  # values and scales (pallas_kernels/kv_quant.py), one device
+    if config.kv_cache_dtype != "auto":  # values and scales (pallas_kernels/kv_quant.py)
         scaled = jax.eval_shape(lambda: allocate_scaled(kv_leaf.shape, config.kv_cache_dtype))
-        scaled = _with_sharding(scaled, jax.tree.map(lambda _: kv_sharding, scaled))
+        split = (jax.tree.map(lambda _: kv_sharding, scaled) if placement is None
+                 else scaled_sharding(kv_sharding, config.kv_cache_dtype))  # on KV heads, scales too
+        scaled = _with_sharding(scaled, split)
         kv_state = (scaled, scaled)
     table = table_state_spec(shapes)
     table = _with_sharding(table, jax.tree.map(lambda _: replicated, table))
