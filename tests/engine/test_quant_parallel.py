@@ -1,7 +1,7 @@
 """Quantized serving on meshes, end to end against TP = 1 engines with the same quantization
 (greedy tokens, first-token logprobs within 1e-4): fp8 weights with an fp8_e4m3 cache at TP = 2,
-int8 weights with an int8 cache on DP = 2 replicas of TP = 2 (4 virtual devices), and a mixture
-of experts (random:tiny-mixtral) at TP = 2, where each expert's down_proj is split over both
+int8 weights with an int8 cache on DP = 2 replicas of TP = 2 (4 virtual devices), bfloat16 with
+stacked layers (the accelerators' layout), and a mixture of experts (random:tiny-mixtral) at TP = 2, where each expert's down_proj is split over both
 devices and keeps its whole rows' scales (models/sharded_quant.py). Every engine pins the
 weight-only form (the row-parallel products' activation scales are per device otherwise:
 tests/models/test_sharded_quant.py). The default-tier check is tests/engine/test_quant_tp.py."""
@@ -32,18 +32,23 @@ def _assert_equal(outs, reference):
         assert abs(a.logprobs[0][a.token_ids[0]] - b.logprobs[0][b.token_ids[0]]) < 1e-4
 
 
-@pytest.mark.parametrize("model,quantization,kv_cache_dtype,parallel", [
-    ("random:tiny-gqa3", "fp8", "fp8_e4m3", dict(tensor_parallel_size=2)),
-    ("random:tiny-gqa3", "int8", "int8", dict(tensor_parallel_size=2, data_parallel_size=2)),
-    ("random:tiny-mixtral", "int8", "int8", dict(tensor_parallel_size=2)),
+@pytest.mark.parametrize("model,quantization,kv_cache_dtype,parallel,dtype", [
+    ("random:tiny-gqa3", "fp8", "fp8_e4m3", dict(tensor_parallel_size=2), "float32"),
+    ("random:tiny-gqa3", "int8", "int8", dict(tensor_parallel_size=2, data_parallel_size=2), "float32"),
+    ("random:tiny-mixtral", "int8", "int8", dict(tensor_parallel_size=2), "float32"),
+    # the accelerators' layout: stacked layers, the norms as 16-bit bits after quantizing
+    ("random:tiny-gqa3", "int8", "int8", dict(tensor_parallel_size=2, stack_layer_weights=True), "bfloat16"),
 ])
-def test_a_mesh_equals_one_device_with_the_same_quantization(model, quantization, kv_cache_dtype, parallel):
+def test_a_mesh_equals_one_device_with_the_same_quantization(model, quantization, kv_cache_dtype, parallel, dtype):
     from engine.core.llm_engine import LLMEngine
     from engine.scaleout.dp_engine import DPEngine
     from models.loader import load_model
 
-    loaded = load_model(model, host=True, progress=False)
-    knobs = dict(KNOBS, model=model, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+    loaded = load_model(model, host=True, progress=False, dtype=dtype)
+    parallel = dict(parallel)
+    stacked = {k: parallel.pop(k) for k in list(parallel) if k == "stack_layer_weights"}  # TP = 1 too
+    knobs = dict(KNOBS, model=model, quantization=quantization, kv_cache_dtype=kv_cache_dtype, dtype=dtype,
+                 **stacked)
     reference = _run(LLMEngine(EngineConfig(**knobs), progress=False, loaded=loaded))
     cls = DPEngine if parallel.get("data_parallel_size", 1) > 1 else LLMEngine
     engine = cls(EngineConfig(**knobs, **parallel), progress=False, loaded=loaded)
