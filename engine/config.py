@@ -185,12 +185,9 @@ class EngineConfig:
                                      ("kv_cache_dtype", self.kv_cache_dtype, "auto")):
             if value == default:
                 continue
-            # Tensor and data parallelism shard the quantized weights and the 8-bit cache
-            # (models/sharded_quant.py). Not implemented: multi-host (untested across processes)
-            # and disaggregation (its KV transfers move no scales).
-            if self.num_processes > 1:
-                raise ValueError(f"EngineConfig.{name}={value!r} is not implemented across processes "
-                                 "(multi-host): use num_processes=1")
+            # Tensor and data parallelism and multi-host meshes shard the quantized weights and
+            # the 8-bit cache (models/sharded_quant.py). Not implemented: disaggregation (its KV
+            # transfers move no scales).
             if self.disaggregation is not None:
                 raise ValueError(f"EngineConfig.{name}={value!r} is not implemented with disaggregation "
                                  "(its KV transfers move no scales)")

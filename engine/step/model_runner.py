@@ -43,6 +43,7 @@ from engine.step.program import lower_bucket, make_step, serve_layout
 from engine.step.request_table import RequestTable
 from engine.step.step_inputs import BatchBuilder, StepLayout
 from models.config import ModelConfig
+from models.quant import QuantizedWeight
 from scheduler import SchedulerOutput, StepResult, TokenLogprobs
 
 _compile_events = [0]
@@ -91,6 +92,11 @@ class ModelRunner:
         else:
             if keep_hidden:
                 raise ValueError("ModelRunner(keep_hidden=True) runs on one device (no placement)")
+            layers = params["layers"]
+            first = layers[0] if isinstance(layers, list) else layers
+            if (quantization is not None) != isinstance(first["qkv_proj"], QuantizedWeight):
+                raise ValueError(f"ModelRunner(quantization={quantization!r}) on a mesh takes the weights "
+                                 "placed as that says: Placement.place(quantization=...)")
             # On a mesh (placement.py): params already padded, fused per shard and placed
             # shard by shard (and quantized there: Placement.place(quantization=...)); the cache
             # split on KV heads, an 8-bit one's scales too; inputs and the table replicated.

@@ -4,7 +4,15 @@ int8 weights with an int8 cache on DP = 2 replicas of TP = 2 (4 virtual devices)
 stacked layers (the accelerators' layout), and a mixture of experts (random:tiny-mixtral) at TP = 2, where each expert's down_proj is split over both
 devices and keeps its whole rows' scales (models/sharded_quant.py). Every engine pins the
 weight-only form (the row-parallel products' activation scales are per device otherwise:
-tests/models/test_sharded_quant.py). The default-tier check is tests/engine/test_quant_tp.py."""
+tests/models/test_sharded_quant.py). And multi-host: TP = 4 over two processes (jax.distributed
+on loopback, 2 virtual devices each) with int8 weights and an int8 cache equals TP = 1. The
+default-tier check is tests/engine/test_quant_tp.py."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -56,3 +64,27 @@ def test_a_mesh_equals_one_device_with_the_same_quantization(model, quantization
     if cls is DPEngine:  # both replicas served, each on its own two devices
         assert all(r.runner.kv_cache[0].values.sharding.mesh.devices.size == 2 for r in engine.replicas)
         assert min(r.num_generation_tokens for r in engine.get_stats().replicas) > 0
+
+
+def test_two_processes_tp4_with_int8_weights_and_cache_equal_tp1():
+    from engine.core.llm_engine import LLMEngine
+    from tests.engine.test_quant_tp import KNOBS as TP_KNOBS
+
+    reference = _run(LLMEngine(EngineConfig(**TP_KNOBS), progress=False))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    worker = os.path.join(os.path.dirname(__file__), "multihost_quant_worker.py")
+    procs = [subprocess.Popen([sys.executable, worker, str(p), port], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for p in (0, 1)]
+    try:
+        logs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    line = next(x for x in logs[0].splitlines() if x.startswith("RESULT "))
+    for (tokens, logprob), ref in zip(json.loads(line.split(" ", 1)[1]), reference):
+        assert tokens == ref.token_ids and abs(logprob - ref.logprobs[0][ref.token_ids[0]]) < 1e-4
