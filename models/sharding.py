@@ -10,6 +10,9 @@ The Megatron pattern over the mesh axis "model" (size tp):
   gather plus one all-reduce per step, the logits one all-gather per step (the sampler then sees
   the full vocabulary, replicated).
 - norms are replicated; the KV cache is split on its KV-head axis.
+- quantized weights (models/quant.py QuantizedWeight; made on the mesh by models/sharded_quant.py):
+  the values split as the float weight, the per-output-channel scales as its output dim
+  (`weight_spec`); an 8-bit cache's values and scales both on KV heads (`kv_cache_specs`).
 
 Head counts that tp does not divide are PADDED, not replicated: the KV heads go up to the next
 multiple of tp, and every padded KV head gets its group of g = h / k padded query heads (so GQA
