@@ -186,13 +186,12 @@ class EngineConfig:
                                      ("kv_cache_dtype", self.kv_cache_dtype, "auto")):
             if value == default:
                 continue
-            # Not implemented: the sharded layout (models/sharding.py) and the KV transfers of
-            # disaggregation do not carry scales yet.
-            if self.tensor_parallel_size > 1 or self.data_parallel_size > 1 or self.num_processes > 1:
-                raise ValueError(f"EngineConfig.{name}={value!r} is not implemented on a mesh: use "
-                                 "tensor_parallel_size=1, data_parallel_size=1, num_processes=1")
+            # Tensor and data parallelism and multi-host meshes shard the quantized weights and
+            # the 8-bit cache (models/sharded_quant.py). Not implemented: disaggregation (its KV
+            # transfers move no scales).
             if self.disaggregation is not None:
-                raise ValueError(f"EngineConfig.{name}={value!r} is not implemented with disaggregation")
+                raise ValueError(f"EngineConfig.{name}={value!r} is not implemented with disaggregation "
+                                 "(its KV transfers move no scales)")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:

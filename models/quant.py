@@ -222,3 +222,12 @@ def _quantize_jit(w, method, activation_rows, activation_group):
 
 def is_quantized(w) -> bool:
     return isinstance(w, QuantizedWeight)
+
+
+def quantize_with_amax(w: jax.Array, amax: jax.Array, method: str, *, activation_rows: int | None = None) -> QuantizedWeight:
+    """quantize_weight with each output channel's max |w| given (amax float32 [..., o]): for a
+    row held in pieces (an expert's down_proj split over devices, models/sharded_quant.py), the
+    max of the whole row, so every piece gets the one-device scale."""
+    scale = jnp.where(amax > 0, amax / _QMAX[method], 1.0)
+    q = _to_stored(jnp.asarray(w).astype(jnp.float32) / scale[..., None], method)
+    return QuantizedWeight(q, scale, jnp.dtype(w.dtype).name, activation_rows)

@@ -10,6 +10,9 @@ The Megatron pattern over the mesh axis "model" (size tp):
   gather plus one all-reduce per step, the logits one all-gather per step (the sampler then sees
   the full vocabulary, replicated).
 - norms are replicated; the KV cache is split on its KV-head axis.
+- quantized weights (models/quant.py QuantizedWeight; made on the mesh by models/sharded_quant.py):
+  the values split as the float weight, the per-output-channel scales as its output dim
+  (`weight_spec`); an 8-bit cache's values and scales both on KV heads (`kv_cache_specs`).
 
 Head counts that tp does not divide are PADDED, not replicated: the KV heads go up to the next
 multiple of tp, and every padded KV head gets its group of g = h / k padded query heads (so GQA
@@ -38,7 +41,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models.config import ModelConfig
+from models.quant import QuantizedWeight
 from models.served_layout import served_layer
+from pallas_kernels.kv_quant import ScaledCache
 from pallas_kernels.kv_write import as_bits
 
 MODEL_AXIS = "model"
@@ -75,6 +80,24 @@ LLAMA_RULES: dict[str, P] = {
     "experts_down": SPEC_OF_SPLIT["experts_mlp_in"],
 }
 KV_CACHE_SPEC = P(None, None, None, MODEL_AXIS, None)  # [L, num_blocks, block_size, Hkv, D]
+KV_SCALES_SPEC = P(None, None, None, MODEL_AXIS)  # an 8-bit cache's scales [L, num_blocks, block_size, Hkv]
+
+
+def kv_cache_specs(kv_cache: tuple) -> tuple:
+    """The specs of a (k_cache, v_cache) pair: split on KV heads, an 8-bit cache's values and
+    scales alike (pallas_kernels/kv_quant.py ScaledCache)."""
+    return tuple(dataclasses.replace(c, values=KV_CACHE_SPEC, scales=KV_SCALES_SPEC)
+                 if isinstance(c, ScaledCache) else KV_CACHE_SPEC for c in kv_cache)
+
+
+def weight_spec(spec: P, w) -> P | QuantizedWeight:
+    """A weight's spec; a quantized weight's (models/quant.py) is a QuantizedWeight of specs:
+    the values split as the float weight they replace, the per-output-channel scales [..., o] as
+    its output dim (split with a column-parallel weight's rows, the vocabulary or the experts;
+    replicated for a row-parallel weight, whose output dim is whole on every device)."""
+    if isinstance(w, QuantizedWeight):
+        return dataclasses.replace(w, q=spec, scale=P(*tuple(spec)[:-1]))
+    return spec
 
 # How the adapter buffers split over the mesh axis "model", matching the base layer (Megatron):
 # column-parallel q/k/v and gate/up: B by its output rows (per-shard fused order, as qkv_proj and
@@ -140,14 +163,14 @@ def partition_spec(name: str, *, stacked: bool) -> P:
     return P(None, *spec) if stacked else spec
 
 
-def _spec(name: str, a, table: dict | None, stacked: bool = False) -> P:
+def _spec(name: str, a, table: dict | None, stacked: bool = False) -> P | QuantizedWeight:
     if table is None:
-        return partition_spec(name, stacked=stacked)
+        return weight_spec(partition_spec(name, stacked=stacked), a)
     split = table[name]
     if split is None:
-        return P(*([None] * a.ndim))
+        return weight_spec(P(*([None] * a.ndim)), a)
     spec = SPEC_OF_SPLIT[split]
-    return P(None, *spec) if stacked else spec
+    return weight_spec(P(None, *spec) if stacked else spec, a)
 
 
 def param_specs(params: dict, config: ModelConfig | None = None) -> dict:
@@ -269,10 +292,11 @@ def to_host(a, dtype) -> np.ndarray:
 
 
 def shard_params_host(params: dict, config: ModelConfig, layout: TPLayout, *, dtype: str,
-                      stack: bool, xp=np) -> dict:
+                      stack: bool, xp=np, pack_bits: bool = True) -> dict:
     """The whole served pytree on the host: padded, fused per shard, stacked (and as uint16 bits
-    when stacked and 16-bit, as models/llama.pack_layer_bits would), ready to place. xp=jnp
-    traces the same transform (`abstract_sharded_params`)."""
+    when stacked and 16-bit and `pack_bits`, as models/llama.pack_layer_bits would), ready to
+    place. xp=jnp traces the same transform (`abstract_sharded_params`). pack_bits=False keeps
+    float values for quantizing after placement (models/sharded_quant.py packs after)."""
     if xp is np:
         host = lambda a: to_host(a, dtype)  # noqa: E731
     else:
@@ -285,7 +309,7 @@ def shard_params_host(params: dict, config: ModelConfig, layout: TPLayout, *, dt
         out["output_proj"] = np.ascontiguousarray(head) if xp is np else head
     if stack:
         stacked = {name: xp.stack([layer[name] for layer in layers]) for name in layers[0]}
-        if jnp.dtype(dtype).itemsize == 2:
+        if pack_bits and jnp.dtype(dtype).itemsize == 2:
             bits = (lambda w: w.view(np.uint16)) if xp is np else as_bits
             stacked = {name: bits(w) for name, w in stacked.items()}
         out["layers"] = stacked
@@ -344,7 +368,7 @@ def forward_paged_sharded(params: dict, layout: TPLayout, kv_cache: tuple, batch
     slice; returns the sharded cache and the full logits [L, v padded], replicated."""
     from models.llama import forward_paged
 
-    cache_specs = (KV_CACHE_SPEC,) * len(kv_cache)  # one (k, v) pair per cache group
+    cache_specs = kv_cache_specs(kv_cache)  # one (k, v) pair per cache group, 8-bit ones with their scales
 
     def local(p, cache, b):
         return forward_paged(p, layout.local, cache, b, attention_backend=attention_backend,

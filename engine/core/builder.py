@@ -126,7 +126,9 @@ def build_parts(config: EngineConfig, *, progress: bool = True, mesh=None, loade
         from engine.step.placement import Placement
 
         placement = Placement.for_mesh(mesh, loaded.config, config.expert_parallel_size)
-        params = placement.place(loaded.params, loaded.config, dtype=dtype, layer_loop=layer_loop)
+        params = placement.place(loaded.params, loaded.config, dtype=dtype, layer_loop=layer_loop,
+                                 quantization=config.quantization,
+                                 activation_rows=resolve_activation_rows(config, platform))
         kv_config = placement.layout.local  # per device: its KV heads, after its weight shards
     load_seconds = time.perf_counter() - start
     max_model_len = resolve_max_model_len(config, loaded.config.max_position_embeddings)

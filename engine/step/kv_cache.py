@@ -30,9 +30,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from models.config import ModelConfig
-from pallas_kernels.kv_quant import allocate_scaled, bytes_per_value_and_scale
+from pallas_kernels.kv_quant import ScaledCache, allocate_scaled, bytes_per_value_and_scale
 
 
 def cache_groups(config: ModelConfig, num_blocks: int, num_sliding_blocks: int) -> tuple[int, int, str]:
@@ -125,13 +126,21 @@ def split_budget(config: ModelConfig, budget: int, *, block_size: int, dtype: st
     return num_global, max(2, min(sliding_blocks_needed, num_global))
 
 
+def scaled_sharding(sharding, kv_cache_dtype: str) -> ScaledCache:
+    """The sharding of one ScaledCache whose values have `sharding` (a NamedSharding of the
+    [L, blocks, block_size, Hkv, D] values): the scales [L, blocks, block_size, Hkv] split alike."""
+    scales = NamedSharding(sharding.mesh, PartitionSpec(*tuple(sharding.spec)[:4]))
+    return ScaledCache(sharding, scales, kv_cache_dtype)
+
+
 def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: str, *,
                       bits: bool = False, sharding=None, kv_cache_dtype: str = "auto",
                       num_sliding_blocks: int = 0) -> tuple:
     """Zeroed (k_cache, v_cache); bits=True stores a 16-bit dtype as uint16 (same bytes).
     `sharding` (a NamedSharding splitting the KV-head axis, models/sharding.py): each device
     allocates only its own shard. kv_cache_dtype "int8" / "fp8_e4m3": each of K and V is a
-    ScaledCache (values and scales, pallas_kernels/kv_quant.py; one device only).
+    ScaledCache (values and scales, pallas_kernels/kv_quant.py; on a mesh both split on KV
+    heads).
     num_sliding_blocks > 0 (a model mixing windows): the two groups, (k_global, v_global,
     k_sliding, v_sliding), the global layers' over num_blocks and the sliding layers' over
     num_sliding_blocks."""
@@ -150,9 +159,12 @@ def _allocate(config: ModelConfig, num_layers: int, num_blocks: int, block_size:
               sharding, kv_cache_dtype: str) -> tuple:
     shape = (num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
     if kv_cache_dtype != "auto":
-        if sharding is not None:
-            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not implemented on a mesh (one device only)")
-        return allocate_scaled(shape, kv_cache_dtype), allocate_scaled(shape, kv_cache_dtype)
+        if sharding is None:
+            return allocate_scaled(shape, kv_cache_dtype), allocate_scaled(shape, kv_cache_dtype)
+        split = scaled_sharding(sharding, kv_cache_dtype)
+        zeros = jax.jit(lambda: (allocate_scaled(shape, kv_cache_dtype), allocate_scaled(shape, kv_cache_dtype)),
+                        out_shardings=(split, split))
+        return zeros()
     if bits and jnp.dtype(dtype).itemsize == 2:
         dtype = jnp.uint16
     if sharding is None:

@@ -43,6 +43,7 @@ from engine.step.program import lower_bucket, make_step, serve_layout
 from engine.step.request_table import RequestTable
 from engine.step.step_inputs import BatchBuilder, StepLayout
 from models.config import ModelConfig
+from models.quant import QuantizedWeight
 from scheduler import SchedulerOutput, StepResult, TokenLogprobs
 
 _compile_events = [0]
@@ -92,17 +93,20 @@ class ModelRunner:
                                               bits=bits, kv_cache_dtype=kv_cache_dtype,
                                               num_sliding_blocks=sliding_blocks)
         else:
-            if quantization is not None or kv_cache_dtype != "auto":
-                raise ValueError("ModelRunner: quantized weights and an 8-bit KV cache run on one device "
-                                 "(no placement) for now")
             if keep_hidden:
                 raise ValueError("ModelRunner(keep_hidden=True) runs on one device (no placement)")
+            layers = params["layers"]
+            first = layers[0] if isinstance(layers, list) else layers
+            if (quantization is not None) != isinstance(first["qkv_proj"], QuantizedWeight):
+                raise ValueError(f"ModelRunner(quantization={quantization!r}) on a mesh takes the weights "
+                                 "placed as that says: Placement.place(quantization=...)")
             # On a mesh (placement.py): params already padded, fused per shard and placed
-            # shard by shard; the cache split on KV heads; inputs and the table replicated.
+            # shard by shard (and quantized there: Placement.place(quantization=...)); the cache
+            # split on KV heads, an 8-bit one's scales too; inputs and the table replicated.
             self.params = params
             self.kv_cache = allocate_kv_cache(placement.layout.padded, cache_blocks, shapes.block_size,
                                               dtype, bits=bits, sharding=placement.kv_sharding,
-                                              num_sliding_blocks=sliding_blocks)
+                                              kv_cache_dtype=kv_cache_dtype, num_sliding_blocks=sliding_blocks)
         self.lora = lora
         if lora is not None:
             self.params = {**self.params, "lora": lora.buffers}

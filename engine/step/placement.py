@@ -4,9 +4,10 @@ The runner gets a Placement when the engine runs on a mesh (tensor_parallel_size
 replica of several); without one it keeps the single-device path unchanged. A Placement:
 1. lays the loaded weights out for the mesh on the host (models/sharding.py: heads padded to a
    multiple of tp, q/k/v fused per shard, layers stacked) and places each device's shard directly
-   (`place`);
-2. gives the KV cache's sharding (split on KV heads) and the replicated sharding of everything
-   else (step inputs, the request table, the sampler's outputs);
+   (`place`); with quantization, quantizes them there (models/sharded_quant.py);
+2. gives the KV cache's sharding (split on KV heads; an 8-bit cache's values and scales alike)
+   and the replicated sharding of everything else (step inputs, the request table, the
+   sampler's outputs);
 3. returns the step's forward: models/llama.forward_paged under shard_map at tp > 1, the plain
    forward on the replica's single device at tp = 1;
 4. reports the bytes each device holds (weights, KV cache).
@@ -21,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from models.config import ModelConfig
 from models.llama import forward_paged
+from models.sharded_quant import quantize_sharded
 from models.sharding import (
     KV_CACHE_SPEC,
     MODEL_AXIS,
@@ -58,11 +60,20 @@ class Placement:
     def kv_sharding(self) -> NamedSharding:
         return NamedSharding(self.mesh, KV_CACHE_SPEC)
 
-    def place(self, params: dict, config: ModelConfig, *, dtype: str, layer_loop: str) -> dict:
+    def place(self, params: dict, config: ModelConfig, *, dtype: str, layer_loop: str,
+              quantization: str | None = None, activation_rows: int | None = None) -> dict:
         """Loader-layout params (numpy or device arrays) -> the served layout, shard by shard
-        (stacked on a layer axis for the "stacked" layer loop, engine/config.py)."""
-        host = shard_params_host(params, config, self.layout, dtype=dtype, stack=layer_loop == "stacked")
-        return place_params(host, self.mesh, config)
+        (stacked on a layer axis for the "stacked" layer loop, engine/config.py); `quantization`:
+        then quantized on the devices, each scale placed with its weight's output dim
+        (models/sharded_quant.py)."""
+        host = shard_params_host(params, config, self.layout, dtype=dtype, stack=layer_loop == "stacked",
+                                 pack_bits=quantization is None)
+        placed = place_params(host, self.mesh, config)
+        del host
+        if quantization is None:
+            return placed
+        return quantize_sharded(placed, self.layout, quantization, activation_rows=activation_rows,
+                                mesh=self.mesh, config=config)
 
     def forward(self, *, attention_backend: str, interpret: bool, layer_loop: str, lora_method: str = "masked"):
         """(params, kv_cache, inputs) -> (kv_cache, logits [L, v]) for the compiled step."""

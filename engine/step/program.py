@@ -33,6 +33,7 @@ from models.llama import forward_paged
 from models.quant import quantize_params
 from models.random_weights import random_params
 from models.served_layout import fuse_projections, pack_layer_bits, stack_layers
+from models.sharded_quant import abstract_quantized_params
 from models.sharding import abstract_sharded_params
 
 
@@ -54,7 +55,8 @@ def served_params_spec(config: ModelConfig, *, dtype: str, layer_loop: str,
         return jax.eval_shape(lambda: serve_layout(random_params(config, dtype=dtype), layer_loop, quantization,
                                                    activation_rows))
     if quantization is not None:
-        raise ValueError(f"quantization={quantization!r} is not implemented on a mesh (one device only)")
+        return abstract_quantized_params(config, placement.layout, dtype=dtype, stack=layer_loop == "stacked",
+                                         quantization=quantization, activation_rows=activation_rows)
     return abstract_sharded_params(config, placement.layout, dtype=dtype, stack=layer_loop == "stacked")
 
 

@@ -31,7 +31,7 @@ from engine.config import (
 from engine.core.builder import uses_sliding_groups
 from engine.step.buckets import Bucket, RunnerShapes, resolve_seq_buckets, resolve_token_buckets
 from engine.step.executables import manifest, save_executables
-from engine.step.kv_cache import bytes_per_block, cache_groups, split_budget
+from engine.step.kv_cache import bytes_per_block, cache_groups, scaled_sharding, split_budget
 from engine.step.mesh import replica_meshes
 from engine.step.placement import Placement
 from engine.step.program import lower_bucket, make_step, served_params_spec, table_state_spec
@@ -269,7 +269,8 @@ def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: st
         logits_per_seq=1 + (spec.num_speculative_tokens if spec is not None else 0),
         prompt_scoring=config.prompt_scoring_bucket, num_sliding_blocks=num_sliding_blocks)
     kv_leaf = _kv_leaf(kv_config, num_blocks, bs, dtype, backend, kv_sharding)
-    kv_state = _kv_state(kv_config, shapes, dtype, backend, kv_sharding, config.kv_cache_dtype)
+    kv_state = _kv_state(kv_config, shapes, dtype, backend, kv_sharding, config.kv_cache_dtype,
+                         on_mesh=placement is not None)
     table = table_state_spec(shapes)
     table = _with_sharding(table, jax.tree.map(lambda _: replicated, table))
     state = (params, kv_state, table)
@@ -333,9 +334,10 @@ def _kv_leaf(kv_config: ModelConfig, num_blocks: int, bs: int, dtype: str, backe
 
 
 def _kv_state(kv_config: ModelConfig, shapes: RunnerShapes, dtype: str, backend: str, sharding,
-              kv_cache_dtype: str = "auto") -> tuple:
+              kv_cache_dtype: str = "auto", *, on_mesh: bool = False) -> tuple:
     """The cache as the runner allocates it (engine/step/kv_cache.py): (k, v), or with a sliding
-    group (shapes.num_sliding_blocks) the global layers' pair, then the sliding layers'."""
+    group (shapes.num_sliding_blocks) the global layers' pair, then the sliding layers'. An 8-bit
+    cache's scales are split on KV heads like its values on a mesh."""
     first, second, _ = cache_groups(kv_config, shapes.num_blocks, shapes.num_sliding_blocks)
     groups = [(kv_config.num_layers, first)]
     if second:
@@ -344,9 +346,10 @@ def _kv_state(kv_config: ModelConfig, shapes: RunnerShapes, dtype: str, backend:
     state = ()
     for layers, blocks in groups:
         leaf = _kv_leaf(kv_config, blocks, shapes.block_size, dtype, backend, sharding, layers)
-        if kv_cache_dtype != "auto":  # values and scales (pallas_kernels/kv_quant.py), one device
+        if kv_cache_dtype != "auto":  # values and scales (pallas_kernels/kv_quant.py)
             leaf = jax.eval_shape(lambda shape=leaf.shape: allocate_scaled(shape, kv_cache_dtype))
-            leaf = _with_sharding(leaf, jax.tree.map(lambda _: sharding, leaf))
+            split = scaled_sharding(sharding, kv_cache_dtype) if on_mesh else jax.tree.map(lambda _: sharding, leaf)
+            leaf = _with_sharding(leaf, split)
         state += (leaf, leaf)
     return state
 

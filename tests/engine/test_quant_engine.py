@@ -97,8 +97,8 @@ def test_the_cache_and_its_scales_are_donated(engine):
     (dict(kv_cache_dtype="fp8_e5m2"), "kv_cache_dtype must be one of auto, int8, fp8_e4m3"),
     (dict(quantization_activation_rows=4), "needs quantization"),
     (dict(quantization="int8", quantization_activation_rows=-1), "non-negative"),
-    (dict(quantization="int8", tensor_parallel_size=2), "not implemented on a mesh"),
-    (dict(kv_cache_dtype="int8", data_parallel_size=2), "not implemented on a mesh"),
+    (dict(quantization="int8", disaggregation="prefill:1,decode:1"), "not implemented with disaggregation"),
+    (dict(kv_cache_dtype="int8", disaggregation="prefill:1,decode:1"), "not implemented with disaggregation"),
 ])
 def test_knobs_are_refused_by_name(knobs, match):
     with pytest.raises(ValueError, match=match):

@@ -82,6 +82,22 @@ def test_disaggregation_compiles_the_kv_gather_and_scatter():
     assert "gather 8" in aot.format_report(aot.report(build, TINY, config))
 
 
+@pytest.mark.extended  # make test-extended (CI runs it after make test)
+def test_quantized_weights_and_an_int8_cache_compile_at_tp2():
+    """int8 weights (scales split with each weight's output dim, models/sharded_quant.py) and an
+    int8 cache split on KV heads, values and scales: the Megatron pattern, the 8-bit bytes."""
+    knobs = dict(SMALL, token_buckets=(8,), prompt_scoring_bucket=False)
+    config = EngineConfig(model="random:tiny", tensor_parallel_size=2, quantization="int8",
+                          kv_cache_dtype="int8", **knobs)
+    build = compile_for_target(config, TINY, "cpu", progress=None)
+    assert [b.collectives_per_layer["all-reduce"] for b in build.buckets] == [2]
+    # per device: 16 tokens x K and V x 2 layers x 1 of 2 KV heads x (16 values + a 2-byte scale)
+    assert build.kv_bytes_per_block == 16 * 2 * 2 * 1 * (16 + 2)
+    assert build.weights_bytes < 0.3 * TINY.num_params * 4 / 2 and build.fits
+    r = aot.report(build, TINY, config)
+    assert (r["quantization"], r["kv_cache_dtype"]) == ("int8", "int8")
+
+
 def test_collective_counting_reads_loop_bodies():
     hlo = "\n".join([
         "%body.1 (p: (s32[], f32[4])) -> (s32[], f32[4]) {",
