@@ -24,6 +24,10 @@ SPECS = [(8, 16, ALL, False), (4, 8, ("q_proj", "v_proj"), False), (2, 4, ("o_pr
          (6, 12, ALL, True), (1, 2, ("q_proj", "down_proj"), False), (5, 5, ("v_proj", "gate_proj"), False)]
 NEW_TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
+# A JSON schema whose greedy completions stay short on random:tiny (bounded enum and integer).
+SCHEMA = {"type": "object", "properties": {"k": {"enum": ["ab", "cd", "ef"]},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 999}},
+          "required": ["k", "n"], "additionalProperties": False}
 PROMPTS = ["The quick brown fox", "LoRA adapters, many at once", "0123456789 abcdefghij klmnop",
            "Hi", "Serving research engines"]
 

@@ -21,18 +21,22 @@ import threading
 import urllib.error
 import urllib.request
 
+import jsonschema
 import numpy as np
 import openai
 import pytest
 
 from engine.config import EngineConfig
 from engine.lora_config import LoRARequest
+from engine.sampling_params import SamplingParams
 from engine.step.model_runner import num_backend_compilations
+from engine.structured_params import StructuredOutputsParams
 from tests.engine.lora_cases import (
     GREEDY,
     KNOBS,
     NEW_TOKENS,
     PROMPTS,
+    SCHEMA,
     build_setup,
     check_greedy,
     run_jobs,
@@ -155,12 +159,15 @@ def server(engine2):
 @pytest.fixture(scope="module")
 def expected(setup, engine2):
     """Texts the server must answer, from the engine offline (each checked against its merged
-    reference) before the server takes the engine over: adapter 0, adapter 5, the base."""
+    reference) before the server takes the engine over: adapter 0, adapter 5, the base, and
+    adapter 0 under a JSON schema (test_lora_spec.py checks such outputs against the merged model)."""
     prompt = setup["prompts"][1]
+    constrained = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=SCHEMA))
     outs, _ = run_jobs(engine2, [("e0", prompt, setup["requests"][0]), ("e5", prompt, setup["requests"][5]),
-                             ("eb", prompt, None)])
+                             ("eb", prompt, None), ("ej", prompt, setup["requests"][0], constrained)])
     for rid, which in (("e0", 1), ("e5", 6), ("eb", 0)):
         check_greedy(setup, which, prompt, outs[rid])
+    jsonschema.validate(json.loads(outs["ej"].outputs[0].text), SCHEMA)
     return {rid: outs[rid].outputs[0].text for rid in outs}
 
 
@@ -171,6 +178,9 @@ def test_server_with_the_openai_client(setup, expected, engine2, server):
     kwargs = dict(prompt=PROMPTS[1], max_tokens=NEW_TOKENS, temperature=0, extra_body={"ignore_eos": True})
     whole = client.completions.create(model="adapter0", **kwargs)
     assert whole.choices[0].text == expected["e0"]
+    json_out = client.completions.create(model="adapter0", prompt=PROMPTS[1], max_tokens=40, temperature=0,
+                                         extra_body={"structured_outputs": {"json": SCHEMA}})
+    assert json_out.choices[0].text == expected["ej"]  # structured output under an adapter
     streamed = "".join(c.choices[0].text for c in client.completions.create(model="adapter0", stream=True, **kwargs)
                        if c.choices)
     assert streamed == expected["e0"]

@@ -28,7 +28,7 @@ from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from engine.structured_output.masks import MaskFiller
 from engine.structured_params import StructuredOutputsParams
-from tests.engine.lora_cases import KNOBS, build_setup, check_greedy, run_jobs
+from tests.engine.lora_cases import KNOBS, SCHEMA, build_setup, check_greedy, run_jobs
 
 K = 3
 SPEC = dict(num_speculative_tokens=K, disable_by_batch_size=None, disable_by_token_share=1.0,
@@ -113,9 +113,6 @@ def test_drafts_without_the_adapter_keep_the_merged_models_greedy_output(setup, 
         assert 0 < accepted < drafted  # some kept, some rejected
 
 
-SCHEMA = {"type": "object", "properties": {"k": {"enum": ["ab", "cd", "ef"]},
-                                           "n": {"type": "integer", "minimum": 0, "maximum": 999}},
-          "required": ["k", "n"], "additionalProperties": False}
 REGEX = r"[0-9]{3}-[a-z]{2,4}"
 
 
