@@ -105,7 +105,7 @@ class LoRASlots:
     def step_rank(self, out: SchedulerOutput) -> int:
         """The highest rank among the adapters of the step's rows (0: every row is the base
         model's): the step's products may stop at that column of each slot (models/lora.py
-        rank_slice), the others being zeros. Called after apply(out)."""
+        lora_delta's `rank`), the others being zeros for these rows. Called after apply(out)."""
         slot_of, rank_of = self.slot_of_req, self._rank_of_slot
         return max((rank_of[slot_of[sr.req_id]] for sr in out.scheduled if sr.req_id in slot_of), default=0)
 
