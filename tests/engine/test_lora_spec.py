@@ -104,6 +104,9 @@ def test_drafts_without_the_adapter_keep_the_merged_models_greedy_output(setup, 
     for i in range(4):
         check_greedy(setup, i + 1, prompts[i + 1], outs[f"m{i}"], NEW_TOKENS)
     assert outs["m0"].outputs[0].token_ids == alone["alone"].outputs[0].token_ids
+    # m0 found alone's first block in the prefix cache (same adapter, same prompt): its K/V, and
+    # the draft model's there (base-draft K/V, right under any adapter), were reused
+    assert outs["m0"].metrics.num_cached_tokens == 16
     stats = engine.get_stats().spec_decode
     assert stats.method == method
     drafted = stats.num_draft_tokens - before.num_draft_tokens
