@@ -70,6 +70,7 @@ class EngineConfig:
     max_lora_rank: int = 16  # with enable_lora: the largest adapter rank; every slot is padded to it
     max_cpu_loras: int | None = None  # with enable_lora: adapters kept in host memory (LRU); None: max_loras
     lora_modules: tuple[str, ...] | None = None  # with enable_lora: adapters served from the start, each "name=path" (a flag: comma-separated)
+    lora_rank_buckets: tuple[int, ...] | None = None  # with enable_lora: LoRA ranks to compile each shape for, increasing, the last max_lora_rank (e.g. 0,8,16); a step runs in the smallest holding its adapters' ranks (0: base rows only, no adapter products); None: one program per shape, every slot's whole rank
     lora_product: str | None = None  # with enable_lora: how the step computes the per-token adapter products, gather | ragged | masked | auto (gather for small token buckets, masked for large; models/lora.py); None: the platform's measured default
 
     def __post_init__(self) -> None:

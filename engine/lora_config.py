@@ -69,6 +69,18 @@ def check_lora_config(config) -> None:
     if config.lora_product is not None and config.lora_product not in ("gather", "ragged", "masked", "auto"):
         raise ValueError(f"EngineConfig.lora_product must be one of gather, ragged, masked, auto, got "
                          f"{config.lora_product!r}")
+    if config.lora_rank_buckets is not None:
+        ranks = tuple(config.lora_rank_buckets)
+        object.__setattr__(config, "lora_rank_buckets", ranks)
+        if (not ranks or any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in ranks)
+                or list(ranks) != sorted(set(ranks)) or ranks[-1] != config.max_lora_rank):
+            raise ValueError(f"EngineConfig.lora_rank_buckets must be increasing integers >= 0 ending at "
+                             f"max_lora_rank ({config.max_lora_rank}), got {ranks!r}")
+        if not config.enable_lora:
+            raise ValueError("EngineConfig.lora_rank_buckets needs enable_lora=True")
+        if config.tensor_parallel_size != 1:
+            raise ValueError("EngineConfig.lora_rank_buckets: tensor_parallel_size does not run with LoRA "
+                             "rank buckets yet (one device only)")
     if config.lora_modules is not None:
         object.__setattr__(config, "lora_modules", tuple(config.lora_modules))
         parse_lora_modules(config.lora_modules)

@@ -10,7 +10,9 @@
    max(--adapters) slots of rank `--max_lora_rank`, one per product form (`--lora_products`,
    models/lora.py): the first form with the requests spread round-robin over 0, 1, 4, 16 distinct
    adapters (0: every row the base model, in the LoRA engine: the fixed-shape products still
-   run), the other forms at 16. All engines are built first; the arms run interleaved,
+   run), with `--lora_rank_buckets` the first form again with those rank buckets at every count
+   (its steps compute only up to their adapters' rank; none at 0 adapters), the other forms at
+   16. All engines are built first; the arms run interleaved,
    `--repeats` times, and each arm reports its medians.
 3. Reported per arm: decode throughput (output tokens of the decode steps / their time), the
    median decode step, p50/p95 inter-token latency (gaps between a request's tokens), and each
@@ -39,6 +41,13 @@ _RANK = flags.DEFINE_integer("rank", 8, "Rank of the random adapters.")
 _MAX_LORA_RANK = flags.DEFINE_integer("max_lora_rank", 16, "Slot rank (adapters are padded to it).")
 _PRODUCTS = flags.DEFINE_list("lora_products", ["auto", "masked", "gather", "ragged"],
                               "Product forms: the first at every adapter count, the others at the most.")
+_RANK_BUCKETS = flags.DEFINE_list("lora_rank_buckets", [], "LoRA rank buckets (EngineConfig.lora_rank_buckets, "
+                                  "e.g. 0,8,16): the first product form also runs with them, at every "
+                                  "adapter count (empty: not run).")
+_PAIRED = flags.DEFINE_integer("paired_rounds", 0, "Also a paired run of this many decode rounds: the base "
+                               "and the LoRA engines decode their batches at once, one step each per round "
+                               "(rotating order), and each step is compared with the base's of its round "
+                               "(0: not run).")
 _REPEATS = flags.DEFINE_integer("repeats", 2, "Runs of each arm, interleaved (medians over them).")
 _SEED = flags.DEFINE_integer("seed", 0, "Prompts and adapter weights.")
 _OUT_DIR = flags.DEFINE_string("out_dir", "experiments/results", "Where results go.")
@@ -105,6 +114,39 @@ def run_arm(engine, prompts, loras) -> dict:
             "num_decode_steps": len(decode_steps)}
 
 
+def run_paired(arms, prompts, rounds: int) -> dict:
+    """arms: [(name, engine, loras)], the first the base; every engine holds its own batch and they
+    step in turns, one step each per round, so a slow phase of a shared machine hits a round's
+    steps alike. Per arm: the median decode step and the median over rounds of its step / the
+    base's step of the same round."""
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=rounds + 1, ignore_eos=True)
+    pending = {}
+    for name, engine, loras in arms:
+        for i, (prompt, lora) in enumerate(zip(prompts, loras)):
+            engine.add_request(f"paired{i}", prompt, params, **({"lora_request": lora} if lora is not None else {}))
+        pending[name] = set(range(len(prompts)))  # requests without a token yet (prefilling)
+    steps: dict[str, dict[int, float]] = {name: {} for name, _, _ in arms}
+    r = 0
+    while any(engine.has_unfinished_requests() for _, engine, _ in arms):
+        for name, engine, _ in arms[r % len(arms):] + arms[: r % len(arms)]:
+            if not engine.has_unfinished_requests():
+                continue
+            decoding = not pending[name]
+            start = time.perf_counter()
+            outputs = engine.step()
+            if decoding:
+                steps[name][r] = time.perf_counter() - start
+            for out in outputs:
+                pending[name].discard(int(out.request_id.removeprefix("paired")))
+        r += 1
+    base = steps[arms[0][0]]
+    return {name: {"decode_step_ms_p50": 1e3 * statistics.median(s.values()),
+                   "step_vs_base_paired": statistics.median(s[i] / base[i] for i in s if i in base),
+                   "num_rounds": sum(i in base for i in s)} for name, s in steps.items()}
+
+
 def median_arm(runs: list[dict]) -> dict:
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
@@ -133,8 +175,17 @@ def main(argv: Sequence[str]) -> None:
         engines[product] = LLMEngine(EngineConfig(**knobs, enable_lora=True, max_loras=max(counts),
                                                   max_lora_rank=_MAX_LORA_RANK.value, max_cpu_loras=max(counts),
                                                   lora_product=product), progress=False)
-    # Arms: the base alone; the first product at every adapter count; the others at the most.
+    ranks = tuple(int(r) for r in _RANK_BUCKETS.value)
+    ranked = f"{products[0]} + rank buckets {','.join(map(str, ranks))}"
+    if ranks:
+        engines[ranked] = LLMEngine(EngineConfig(**knobs, enable_lora=True, max_loras=max(counts),
+                                                 max_lora_rank=_MAX_LORA_RANK.value, max_cpu_loras=max(counts),
+                                                 lora_product=products[0], lora_rank_buckets=ranks), progress=False)
+    # Arms: the base alone; the first product at every adapter count (and with rank buckets); the
+    # others at the most.
     plan = [("base (no LoRA)", "base", 0)] + [(f"{products[0]}, {c} adapters", products[0], c) for c in counts]
+    if ranks:
+        plan += [(f"{ranked}, {c} adapters", ranked, c) for c in counts]
     plan += [(f"{p}, {max(counts)} adapters", p, max(counts)) for p in products[1:]]
     for name, engine in engines.items():  # warm-up (and every adapter read into host memory)
         run_arm(engine, prompts[:2], [None, None] if name == "base" else [requests[0], None])
@@ -148,6 +199,17 @@ def main(argv: Sequence[str]) -> None:
             loras = [requests[i % count] if count else None for i in range(n)]
             runs[name].append(run_arm(engines[engine_name], prompts, loras))
             print(name, runs[name][-1], flush=True)
+    paired = {}
+    if _PAIRED.value:
+        top = max(counts)
+        for count in sorted({0, top}):  # one batch per engine at a time: a pass per adapter count
+            loras = [requests[i % count] if count else None for i in range(n)]
+            arms_p = [("base (no LoRA)", base, [None] * n), (f"{products[0]}, {count} adapters", engines[products[0]], loras)]
+            if ranks:
+                arms_p.append((f"{ranked}, {count} adapters", engines[ranked], loras))
+            for name, result in run_paired(arms_p, prompts, _PAIRED.value).items():
+                paired[f"{name} (pass {count})" if name.startswith("base") else name] = result
+                print("paired", name, result, flush=True)
     compiles = num_backend_compilations() - before
     folder.cleanup()
     arms = {name: median_arm(r) for name, r in runs.items()}
@@ -157,19 +219,32 @@ def main(argv: Sequence[str]) -> None:
     headers = ["arm", "decode step p50 (ms)", "x base", "decode tok/s", "ITL p50 (ms)", "ITL p95 (ms)", "decode steps"]
     rows = [[name, a["decode_step_ms_p50"], a["step_vs_base"], a["decode_tok_s"], a["itl_ms_p50"], a["itl_ms_p95"],
              a["num_decode_steps"]] for name, a in arms.items()]
-    top = f"{_PRODUCTS.value[0]}, {max(counts)} adapters"
-    goals = [report.goal(f"decode step, {top} / base", arms[top]["step_vs_base"], 1.5, higher_is_better=False)]
+    # The goal is judged on the paired ratios when they were measured (the arms' medians move with
+    # the machine's load between arms), on the arms' otherwise.
+    judged, key, how = (paired, "step_vs_base_paired", "paired") if paired else (arms, "step_vs_base", "arms")
+    tops = [f"{_PRODUCTS.value[0]}, {max(counts)} adapters"] + ([f"{ranked}, {max(counts)} adapters"] if ranks else [])
+    goals = [report.goal(f"decode step, {top} / base ({how})", judged[top][key], 1.5, higher_is_better=False)
+             for top in tops]
     text = (f"{n} requests, prompts of {_PROMPT_LEN.value} tokens, {_OUTPUT_LEN.value} output tokens each "
             f"(greedy); adapters rank {_RANK.value} on every module, slots of rank {_MAX_LORA_RANK.value}, "
             f"max_loras {max(counts)}; model {_MODEL.value} on {report.environment()['platform']}; "
             f"medians of {_REPEATS.value} interleaved runs; compilations while the arms ran: {compiles}.\n\n"
             + report.markdown_table(headers, rows) + "\n" + report.goals_text(goals))
+    if paired:
+        text += (f"\nPaired ({_PAIRED.value} decode rounds: the engines decode their batches at once, one step "
+                 "each per round, each compared with the base's step of its round):\n\n"
+                 + report.markdown_table(["arm", "decode step p50 (ms)", "x base (median of per-round ratios)",
+                                          "rounds"],
+                                         [[k, v["decode_step_ms_p50"], v["step_vs_base_paired"], v["num_rounds"]]
+                                          for k, v in paired.items()]))
     print(text)
     summary = {"experiment": "exp_lora", "command": report.command_line(), "environment": report.environment(),
                "config": {"num_requests": n, "prompt_len": _PROMPT_LEN.value, "output_len": _OUTPUT_LEN.value,
                           "adapters": counts, "rank": _RANK.value, "max_lora_rank": _MAX_LORA_RANK.value,
-                          "lora_products": _PRODUCTS.value, "repeats": _REPEATS.value, "model": _MODEL.value},
-               "arms": arms, "compilations_during_arms": compiles, "goals": goals,
+                          "lora_products": _PRODUCTS.value, "lora_rank_buckets": list(ranks),
+                          "paired_rounds": _PAIRED.value,
+                          "repeats": _REPEATS.value, "model": _MODEL.value},
+               "arms": arms, "paired": paired, "compilations_during_arms": compiles, "goals": goals,
                "elapsed_s": time.perf_counter() - t_start}
     fig, (ax,) = report.new_figure(1, width=7)
     names = list(arms)

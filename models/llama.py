@@ -306,6 +306,7 @@ def forward_paged(
     scan_layers: bool = False,
     return_hidden: bool = False,
     lora_method: str = "masked",
+    lora_rank: int | None = None,
 ):
     """One step over a ragged batch; returns (kv_cache, logits [L, v] float32).
 
@@ -330,7 +331,9 @@ def forward_paged(
     and per-(token, kv head) scales (pallas_kernels/kv_quant.py). `batch` has the StepInputs fields: input_ids [T], positions [T],
     slot_mapping [T], query_start_loc [S+1], seq_lens [S], block_tables [S, max_blocks_per_seq],
     num_seqs [], logits_indices [L] (see engine/step/step_inputs.py); with adapters in
-    `params["lora"]` (models/lora.py) also lora_slots [T], computed by `lora_method`.
+    `params["lora"]` (models/lora.py) also lora_slots [T], computed by `lora_method` over the
+    first `lora_rank` columns of each slot's rank (None: all; 0: no adapter products at all, for
+    a step whose rows all run the base model).
 
     Layers: a stacked `params["layers"]` runs as a lax.scan over the stacked weights with the
     cache in the carry. A list runs as a lax.scan over the layer index with `scan_layers`, whose
@@ -364,10 +367,10 @@ def forward_paged(
     reduce = (lambda y: y) if tp_axis is None else (lambda y: jax.lax.psum(y, tp_axis))
     model = _Model(config, kv_dtype, reduce, tp_axis)
     model.num_tokens = batch.query_start_loc[-1]  # padded rows repeat the end
-    if "lora" in params:  # adapters (models/lora.py): each token's slot, 0 = none
+    if "lora" in params and lora_rank != 0:  # adapters (models/lora.py): each token's slot, 0 = none
         from models.lora import LoRAStep
 
-        model.lora = LoRAStep(params["lora"], batch.lora_slots, config, lora_method)
+        model.lora = LoRAStep(params["lora"], batch.lora_slots, config, lora_method, lora_rank)
 
     def attend(q, k, v, cache, kind, index):  # no weights: compiled once per kind under a scan
         window = config.window_of(kind)

@@ -30,7 +30,8 @@ zero adapter, "none"), r the rank padded to max_lora_rank (R), n a product's sta
      all slots as a single [t, s * R] x [s * R, out] product (what "ragged" is on the CPU,
      spelled as two plain dots).
    `LORA_PRODUCT` picks per platform, from measurement (BUILD_NOTES.md, "LoRA"); "auto" picks
-   gather for small buckets and masked for large ones.
+   gather for small buckets and masked for large ones. With rank buckets (a static `rank` per
+   compiled step, EngineConfig.lora_rank_buckets) the products stop at the step's highest rank.
 4. `merge_lora`: the reference, W + scale * B A merged into loader-layout weights.
 """
 
@@ -304,11 +305,17 @@ def _expand(u, b, segments, rank, spec):
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
 
 
-def lora_delta(x, a, b, slots, layer, segments, *, method: str):
+def lora_delta(x, a, b, slots, layer, segments, *, method: str, rank: int | None = None):
     """B_slot A_slot x for every token: x [t, in], a [L, s, n, in], b [L, out, s, R], slots int32[t]
-    (0: the zero adapter), layer an int or a traced index -> float32 [t, out]."""
-    rank = b.shape[-1]
+    (0: the zero adapter), layer an int or a traced index -> float32 [t, out]. `rank` (static):
+    over each segment's first `rank` columns only, exact when no token's adapter has more."""
     x = x.astype(a.dtype)
+    if rank is not None and rank < b.shape[-1]:
+        a_l = jax.lax.dynamic_index_in_dim(a, layer, keepdims=False)  # [s, n, in]
+        a = a_l.reshape(a_l.shape[0], len(segments), -1, a_l.shape[-1])[:, :, :rank]
+        a = a.reshape(1, a_l.shape[0], len(segments) * rank, a_l.shape[-1])
+        b, layer = jax.lax.dynamic_index_in_dim(b, layer, keepdims=True)[..., :rank], 0
+    rank = b.shape[-1]
     if method == "gather":
         a_t, b_t = a[layer, slots], b[layer, :, slots]  # [t, n, in], [t, out, R]
         u = jnp.einsum("ti,tni->tn", x, a_t, preferred_element_type=jnp.float32).astype(a.dtype)
@@ -343,13 +350,16 @@ class LoRAStep:
     so that each adds its LoRA delta (before any bias, activation or all-reduce: under tensor
     parallelism a row-parallel product's partial delta joins the same psum)."""
 
-    def __init__(self, buffers: dict, slots, config: ModelConfig, method: str):
+    def __init__(self, buffers: dict, slots, config: ModelConfig, method: str, rank: int | None = None):
+        """rank: the step's rank bucket (static; None: max_lora_rank), at least the rank of every
+        adapter whose slot a token of the step uses (engine/step/model_runner.py picks it)."""
         self.buffers = buffers
         self.slots = slots
         self.shapes = product_shapes(config)
         if method == "auto":  # per bucket: the token count is static
             method = "gather" if slots.shape[0] <= GATHER_MAX_TOKENS else "masked"
         self.method = method
+        self.rank = rank
 
     def wrap(self, product, layer):
         def with_lora(name, *args):
@@ -358,7 +368,7 @@ class LoRAStep:
                 return y
             ab = self.buffers[name]
             return y + lora_delta(args[0], ab["a"], ab["b"], self.slots, layer,
-                                  self.shapes[name].segments, method=self.method)
+                                  self.shapes[name].segments, method=self.method, rank=self.rank)
 
         return with_lora
 

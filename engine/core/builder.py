@@ -168,7 +168,8 @@ def build_parts(config: EngineConfig, *, progress: bool = True, mesh=None, loade
         sample_vocab_size=min(loaded.config.vocab_size, loaded.tokenizer.vocab_size),
         logits_per_seq=1 + (config.speculative_config.num_speculative_tokens
                             if config.speculative_config is not None else 0),
-        prompt_scoring=config.prompt_scoring_bucket)
+        prompt_scoring=config.prompt_scoring_bucket,
+        lora_ranks=(config.lora_rank_buckets or ()) if config.enable_lora else ())
     spec = config.speculative_config
     if spec is not None and spec.method in ("draft_model", "draft_head") and placement is not None:
         raise ValueError(f"speculative_config method {spec.method!r} runs on one device: use "
@@ -252,7 +253,7 @@ def build_draft_proposer(config: EngineConfig, shapes: RunnerShapes, target, *, 
     draft_shapes = dataclasses.replace(
         shapes, token_buckets=(*shapes.token_buckets, shapes.token_buckets[-1] + shapes.max_num_seqs),
         num_logprobs=0, logits_per_seq=1, sample_vocab_size=min(shapes.sample_vocab_size, draft.config.vocab_size),
-        prompt_scoring=False,  # the draft model never scores a prompt
+        prompt_scoring=False, lora_ranks=(),  # the draft model never scores a prompt nor runs an adapter
         num_sliding_blocks=0)  # one cache group over the target's global tables (block_ids)
     runner = ModelRunner(draft.config, draft.params, draft_shapes, dtype=dtype, attention_backend=backend,
                          interpret=config.interpret, layer_loop=resolve_layer_loop(config, platform),

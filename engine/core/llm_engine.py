@@ -61,14 +61,15 @@ class LLMEngine:
 
     @classmethod
     def from_parts(cls, config: EngineConfig, *, scheduler: Scheduler, runner, tokenizer,
-                   model_name: str = "custom", proposer=None) -> LLMEngine:
+                   model_name: str = "custom", proposer=None, lora_manager=None) -> LLMEngine:
         """An engine over parts built elsewhere; `runner` needs `execute(scheduler_output)` and
         `sample_vocab_size` (the ids a prompt may hold); `proposer` overrides the one
-        speculative_config would build (engine/spec_decode/base.py)."""
+        speculative_config would build (engine/spec_decode/base.py); `lora_manager` serves the
+        adapters of a runner built with LoRA slots (engine/lora/manager.py)."""
         engine = cls.__new__(cls)
         engine._setup(EngineParts(config=config, scheduler=scheduler, runner=runner,
                                   tokenizer=tokenizer, max_model_len=scheduler.config.max_model_len,
-                                  model_name=model_name, proposer=proposer))
+                                  model_name=model_name, proposer=proposer, lora_manager=lora_manager))
         return engine
 
     def _setup(self, parts: EngineParts) -> None:

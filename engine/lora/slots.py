@@ -44,6 +44,7 @@ class LoRASlots:
                                    out_shardings=shardings)()
             self._write = jax.jit(write_slot, donate_argnums=(0,), out_shardings=shardings)
         self._key_of_slot: list[int | None] = [None] * (max_loras + 1)
+        self._rank_of_slot = [0] * (max_loras + 1)  # the adapter's r (slot 0, the zero adapter: 0)
         self._slot_of_key: dict[int, int] = {}
         self._refs = [0] * (max_loras + 1)
         self._idle: collections.OrderedDict[int, None] = collections.OrderedDict()  # held by nobody, LRU first
@@ -93,12 +94,20 @@ class LoRASlots:
                 values = shard_lora_values(adapter.weights.a, adapter.weights.b, self.config, self.layout)
             self.buffers = self._write(self.buffers, np.int32(slot), values)
             self._key_of_slot[slot] = adapter.key
+            self._rank_of_slot[slot] = adapter.weights.rank
             self._slot_of_key[adapter.key] = slot
             self.num_loads += 1
         self._idle.pop(slot, None)
         self._refs[slot] += 1
         self.slot_of_req[req_id] = slot
         return slot
+
+    def step_rank(self, out: SchedulerOutput) -> int:
+        """The highest rank among the adapters of the step's rows (0: every row is the base
+        model's): the step's products may stop at that column of each slot (models/lora.py
+        lora_delta's `rank`), the others being zeros for these rows. Called after apply(out)."""
+        slot_of, rank_of = self.slot_of_req, self._rank_of_slot
+        return max((rank_of[slot_of[sr.req_id]] for sr in out.scheduled if sr.req_id in slot_of), default=0)
 
     def release(self, req_id: str) -> None:
         slot = self.slot_of_req.pop(req_id, None)

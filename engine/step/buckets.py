@@ -74,6 +74,7 @@ class Bucket:
     padded_tokens: int  # T
     padded_seqs: int  # S
     padded_logits: int  # L
+    lora_rank: int | None = None  # the LoRA rank bucket (RunnerShapes.lora_ranks); None: max_lora_rank
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +91,10 @@ class RunnerShapes:
     # Blocks of the sliding layers' cache (sliding-window accounting: a two-group cache,
     # engine/step/kv_cache.py); 0: one cache group for every layer.
     num_sliding_blocks: int = 0
+    # LoRA rank buckets (EngineConfig.lora_rank_buckets): each shape compiles once per rank, and a
+    # step runs in the smallest rank holding every adapter its rows use (0: rows of the base
+    # model only, no adapter products). (): one program per shape over the whole max_lora_rank.
+    lora_ranks: tuple[int, ...] = ()
 
     @property
     def max_num_seqs(self) -> int:
@@ -97,11 +102,19 @@ class RunnerShapes:
         return self.seq_buckets[-1]
 
     def bucket_for(self, num_tokens: int, num_seqs: int, num_logits: int | None = None,
-                   ready=None) -> Bucket:
+                   ready=None, lora_rank: int = 0) -> Bucket:
         """The smallest declared plain bucket that fits the step; with `ready` (a predicate on
         buckets: compiled yet?), the smallest ready one. The largest bucket is always ready.
         The scoring bucket (always ready: it compiles at start-up) serves a step whose logit rows
-        no plain bucket holds."""
+        no plain bucket holds. `lora_rank`: the highest rank of the step's adapters (with
+        lora_ranks, the bucket's is the smallest that holds it)."""
+        if self.lora_ranks:
+            ranks = self.lora_ranks
+            rank = ranks[min(bisect.bisect_left(ranks, lora_rank), len(ranks) - 1)]
+            plain = dataclasses.replace(self, lora_ranks=())
+            ready_plain = None if ready is None else (lambda b: ready(dataclasses.replace(b, lora_rank=rank)))
+            return dataclasses.replace(plain.bucket_for(num_tokens, num_seqs, num_logits, ready_plain),
+                                       lora_rank=rank)
         num_logits = num_seqs if num_logits is None else num_logits
         i = bisect.bisect_left(self.token_buckets, num_tokens)
         if i == len(self.token_buckets):
@@ -123,8 +136,14 @@ class RunnerShapes:
         return bucket_of(t, self.seq_buckets, self.logits_per_seq)
 
     def buckets(self) -> list[Bucket]:
-        """The plain buckets, one per token bucket."""
-        return [self.bucket_of(t) for t in self.token_buckets]
+        """The plain buckets, one per token bucket (and LoRA rank)."""
+        return self.with_ranks([self.bucket_of(t) for t in self.token_buckets])
+
+    def with_ranks(self, buckets: list[Bucket]) -> list[Bucket]:
+        """Each bucket once per LoRA rank bucket (as they are without rank buckets)."""
+        if not self.lora_ranks:
+            return buckets
+        return [dataclasses.replace(b, lora_rank=r) for b in buckets for r in self.lora_ranks]
 
     @property
     def scoring_bucket(self) -> Bucket | None:
@@ -138,7 +157,7 @@ class RunnerShapes:
     def all_buckets(self) -> list[Bucket]:
         """Every shape the runner compiles: the plain buckets, then the scoring bucket if any."""
         scoring = self.scoring_bucket
-        return self.buckets() + ([scoring] if scoring is not None else [])
+        return self.buckets() + (self.with_ranks([scoring]) if scoring is not None else [])
 
     @property
     def max_logits(self) -> int:

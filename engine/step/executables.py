@@ -51,8 +51,10 @@ def manifest(*, platform: str, device_kind: str, model: ModelConfig, dtype: str,
         "knobs": {"dtype": dtype, "attention_backend": attention_backend, "layer_loop": layer_loop,
                   "tensor_parallel_size": tensor_parallel_size, "quantization": quantization,
                   "quantization_activation_rows": activation_rows, "kv_cache_dtype": kv_cache_dtype,
-                  **dataclasses.asdict(shapes)},
-        "buckets": [dataclasses.astuple(b) for b in shapes.all_buckets()],
+                  # (LoRA rank buckets only when set: LoRA does not load executables, and
+                  # manifests written before rank buckets existed stay valid)
+                  **{k: v for k, v in dataclasses.asdict(shapes).items() if v or k != "lora_ranks"}},
+        "buckets": [dataclasses.astuple(b)[: 3 if b.lora_rank is None else 4] for b in shapes.all_buckets()],
     })
 
 

@@ -129,6 +129,7 @@ class ModelRunner:
         # Loaded instead of compiled (engine/step/executables.py, checked against a manifest).
         self._loaded: dict[Bucket, object] = dict(executables or {})
         self._idle_masks: dict[Bucket, jax.Array] = {}
+        self.lora_rank_steps: dict[int, int] = {}  # steps run per LoRA rank bucket (RunnerShapes.lora_ranks)
         self.num_padded_tokens = 0  # padding tokens fed so far (for the padding share)
         self.num_real_tokens = 0
         # A profiler (experiments/bench/profile_step.py) sets this to get each step's phases timed;
@@ -195,8 +196,9 @@ class ModelRunner:
         steady-state step times once `all_compiled`."""
         buckets = self.shapes.buckets()
         self._abstract_state  # noqa: B018 (taken now, on this thread)
-        scoring = [] if self.shapes.scoring_bucket is None else [self.shapes.scoring_bucket]
-        self.compile_all(progress=progress, buckets=[buckets[0], buckets[-1], *scoring])
+        scoring = [] if self.shapes.scoring_bucket is None else self.shapes.with_ranks([self.shapes.scoring_bucket])
+        largest = [b for b in buckets if b.padded_tokens == buckets[-1].padded_tokens]  # every LoRA rank
+        self.compile_all(progress=progress, buckets=[buckets[0], *largest, *scoring])
         rest = [b for b in buckets if b not in self._compiled]
 
         stop = threading.Event()
@@ -286,7 +288,11 @@ class ModelRunner:
             return StepResult([], [])
         num_logits = sum(sr.num_logits for sr in out.scheduled)
         ready = None if self._compile_thread is None or self.all_compiled else self._compiled.__contains__
-        bucket = self.shapes.bucket_for(out.num_batched_tokens, len(out.scheduled), num_logits, ready=ready)
+        rank = self.lora.step_rank(out) if self.lora is not None and self.shapes.lora_ranks else 0
+        bucket = self.shapes.bucket_for(out.num_batched_tokens, len(out.scheduled), num_logits, ready=ready,
+                                        lora_rank=rank)
+        if bucket.lora_rank is not None:
+            self.lora_rank_steps[bucket.lora_rank] = self.lora_rank_steps.get(bucket.lora_rank, 0) + 1
         built = self.builder.build(out, self._layout(bucket), self.table, lora_slot_of)
         executable = self._executable(bucket)
         if prof is not None:

@@ -90,17 +90,20 @@ def make_step(config: ModelConfig, shapes: RunnerShapes, *, attention_backend: s
 def lower_bucket(step, builder: BatchBuilder, bucket: Bucket, abstract_state, input_sharding=None):
     """The bucket's step lowered against (params, kv_cache, table) shapes; cache and table donated."""
     layout = builder.layout(bucket.padded_tokens, bucket.padded_seqs, bucket.padded_logits)
-    jitted = jax.jit(functools.partial(step, layout=layout), donate_argnums=(1, 2))
+    lora = {} if bucket.lora_rank is None else {"lora_rank": bucket.lora_rank}
+    jitted = jax.jit(functools.partial(step, layout=layout, **lora), donate_argnums=(1, 2))
     flat = jax.ShapeDtypeStruct((layout.size,), np.int32, sharding=input_sharding)
     mask = jax.ShapeDtypeStruct(layout.mask.shape, np.int32, sharding=input_sharding)
     return jitted.lower(*abstract_state, flat, mask)
 
 
 def _step(params, kv_cache, table, flat, token_mask, *, layout: StepLayout, forward, num_logprobs,
-          sample_vocab_size, num_speculative_tokens, hidden_rows=0):
+          sample_vocab_size, num_speculative_tokens, hidden_rows=0, lora_rank=None):
     inputs = layout.unpack(flat, token_mask)
     table = table.with_joins(inputs.join_slots, inputs.join_values())
-    kv_cache, logits, *hidden = forward(params, kv_cache, inputs)
+    # lora_rank: the bucket's LoRA rank (RunnerShapes.lora_ranks, one device only); None: all of it
+    lora = {} if lora_rank is None else {"lora_rank": lora_rank}
+    kv_cache, logits, *hidden = forward(params, kv_cache, inputs, **lora)
     # A checkpoint may pad its vocabulary past the tokenizer's: those ids are never sampled.
     table, packed = sample(logits[:, :sample_vocab_size], inputs, table, num_logprobs=num_logprobs,
                            num_speculative_tokens=num_speculative_tokens)

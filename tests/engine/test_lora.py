@@ -1,12 +1,13 @@
 """LoRA adapters served by the engine (random:tiny), against the base model with each adapter
 merged into its weights (W + scale * B A, models/lora.merge_lora):
 
-- greedy output with an adapter equals the merged model's (teacher-forced dense argmax), alone
-  and in one batch that mixes the base model and four adapters, with n-gram speculative decoding
-  on, and the first sampled token's logprob equals the merged model's log-softmax within 1e-4
-  (float32; later ones 3e-4);
+- greedy output with an adapter equals the merged model's (teacher-forced dense argmax: the
+  first sampled token's logprob within 1e-4 of its log-softmax, float32; later ones 3e-4); alone
+  and in one batch of the base model and four adapters under each speculative method, and with
+  structured output: test_lora_spec.py;
 - eight adapters over two device slots, requests interleaved: every output equal to its merged
-  reference, slots evicted and refilled, nothing compiled (the engine's compile counter);
+  reference, slots evicted and refilled, nothing compiled (the engine's compile counter), on
+  LoRA rank buckets 4 and 8 (a step's products stop at its adapters' highest rank);
 - the prefix cache: the same prompt under two adapters computes its own blocks and output;
 - through the OpenAI server with the official `openai` client: model=<adapter> (streaming
   too), /v1/models with `parent`, 404 for an unknown adapter, a broken adapter loaded at run time
@@ -14,13 +15,13 @@ merged into its weights (W + scale * B A, models/lora.merge_lora):
 """
 
 import asyncio
+import dataclasses
 import json
 import threading
 import urllib.error
 import urllib.request
 
-import jax
-import jax.numpy as jnp
+import jsonschema
 import numpy as np
 import openai
 import pytest
@@ -29,47 +30,23 @@ from engine.config import EngineConfig
 from engine.lora_config import LoRARequest
 from engine.sampling_params import SamplingParams
 from engine.step.model_runner import num_backend_compilations
-from models.llama import forward_dense
-from models.loader import load_model
-from models.lora import load_peft_adapter, merge_lora
+from engine.structured_params import StructuredOutputsParams
+from tests.engine.lora_cases import (
+    GREEDY,
+    KNOBS,
+    NEW_TOKENS,
+    PROMPTS,
+    SCHEMA,
+    build_setup,
+    check_greedy,
+    run_jobs,
+)
 from tests.models.lora_files import adapter_tensors, write_adapter
-
-KNOBS = dict(model="random:tiny", enable_lora=True, max_lora_rank=8, max_num_seqs=8, max_num_batched_tokens=32,
-             max_model_len=96, block_size=16, num_kv_blocks=6 * 8 + 1, token_buckets=(32,), seq_buckets=(8,),
-             compilation_cache_dir=None, prompt_scoring_bucket=False)
-ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# (rank, alpha, targets, rsLoRA) of the eight adapters
-SPECS = [(8, 16, ALL, False), (4, 8, ("q_proj", "v_proj"), False), (2, 4, ("o_proj", "down_proj"), True),
-         (8, 8, ("gate_proj", "up_proj"), False), (3, 6, ("k_proj", "o_proj", "up_proj"), False),
-         (6, 12, ALL, True), (1, 2, ("q_proj", "down_proj"), False), (5, 5, ("v_proj", "gate_proj"), False)]
-NEW_TOKENS = 8
-GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
-PROMPTS = ["The quick brown fox", "LoRA adapters, many at once", "0123456789 abcdefghij klmnop",
-           "Hi", "Serving research engines"]
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("adapters")
-    base = load_model("random:tiny")
-    config = base.config
-    paths = [write_adapter(folder / f"a{i}", config, rank=r, alpha=a, targets=t, rslora=rs, seed=10 + i, b_std=0.5)
-             for i, (r, a, t, rs) in enumerate(SPECS)]
-    requests = [LoRARequest(f"adapter{i}", i + 1, p) for i, p in enumerate(paths)]
-    dense = jax.jit(lambda p, ids: forward_dense(p, config, ids))
-    merged = [base.params] + [merge_lora(base.params, config, load_peft_adapter(p, config, 8)) for p in paths]
-    tok = base.tokenizer
-    prompts = [tok.encode(t) for t in PROMPTS]
-
-    def reference(which, prompt, tokens):
-        """Dense log-softmax at the positions that sampled `tokens` (which: 0 base, i + 1 adapter i)."""
-        ids = prompt + tokens
-        x = np.zeros(128, np.int32)
-        x[: len(ids)] = ids
-        logits = np.asarray(dense(jax.tree.map(jnp.asarray, merged[which]), jnp.asarray(x)))
-        return np.asarray(jax.nn.log_softmax(logits[len(prompt) - 1 : len(ids) - 1], axis=-1))
-
-    return dict(folder=folder, config=config, requests=requests, paths=paths, reference=reference, prompts=prompts)
+    return build_setup(tmp_path_factory.mktemp("adapters"))
 
 
 def _engine(**knobs):
@@ -79,92 +56,42 @@ def _engine(**knobs):
 
 
 @pytest.fixture(scope="module")
-def engine4():
-    """Four slots, with n-gram speculative decoding (k = 3): adapters' drafts are verified by the
-    adapted model, so greedy output stays the merged model's."""
-    return _engine(max_loras=4, speculative_config=dict(
-        method="ngram", num_speculative_tokens=3, disable_by_batch_size=None, disable_by_token_share=1.0,
-        min_acceptance_rate=0.0))
-
-
-@pytest.fixture(scope="module")
 def engine2(setup):
-    return _engine(max_loras=2, max_cpu_loras=3, lora_modules=(f"adapter0={setup['paths'][0]}",))
-
-
-def _run(engine, jobs):
-    """jobs: (request id, prompt ids, LoRARequest or None) -> {request id: CompletionOutput}; also
-    the largest number of distinct adapters that ran in one step."""
-    for rid, prompt, lora in jobs:
-        engine.add_request(rid, prompt, GREEDY, **({"lora_request": lora} if lora else {}))
-    outs, most = {}, 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                outs[out.request_id] = out
-        most = max(most, len(engine.scheduler.lora_seats.active))
-    return outs, most
-
-
-def _check(setup, which, prompt, out):
-    """Greedy tokens are the merged model's argmax; the first one's logprob (the prompt's last
-    position) its log-softmax within 1e-4, the later ones' within 3e-4 (float32: the unmerged
-    products round differently from the merged weights, and the differences ride in the cache)."""
-    completion = out.outputs[0]
-    assert completion.error is None and len(completion.token_ids) == NEW_TOKENS
-    logp = setup["reference"](which, prompt, completion.token_ids)
-    assert completion.token_ids == np.argmax(logp, axis=-1).tolist(), f"adapter {which}"
-    got = np.array([lp[t] for lp, t in zip(completion.logprobs, completion.token_ids)])
-    want = logp[np.arange(NEW_TOKENS), completion.token_ids]
-    assert abs(got[0] - want[0]) < 1e-4
-    np.testing.assert_allclose(got, want, atol=3e-4)
-
-
-def test_alone_and_mixed_with_the_base_and_four_adapters(setup, engine4):
-    prompts, loras = setup["prompts"], setup["requests"]
-    alone, _ = _run(engine4, [("alone", prompts[1], loras[0])])
-    _check(setup, 1, prompts[1], alone["alone"])
-    jobs = [("base", prompts[0], None)] + [(f"m{i}", prompts[i + 1], loras[i]) for i in range(4)]
-    outs, most = _run(engine4, jobs)
-    assert most == 4  # the base model and four adapters in the same steps
-    base_tokens = outs["base"].outputs[0].token_ids
-    _check(setup, 0, prompts[0], outs["base"])
-    for i in range(4):
-        _check(setup, i + 1, prompts[i + 1], outs[f"m{i}"])
-    assert outs["m0"].outputs[0].token_ids == alone["alone"].outputs[0].token_ids
-    same_prompt, _ = _run(engine4, [("b", prompts[1], None)])
-    assert same_prompt["b"].outputs[0].token_ids != alone["alone"].outputs[0].token_ids  # the adapter matters
-    assert base_tokens
-    assert engine4.get_stats().spec_decode.num_draft_tokens > 0  # drafts were verified with adapters
+    """Two slots, and LoRA rank buckets: a step computes over rank 4 when its adapters' ranks
+    allow it (every SPECS adapter but 0, 3 and 5; a bucket 0, no adapter products, is one more
+    program per shape: left to the bucket-choice test)."""
+    return _engine(max_loras=2, max_cpu_loras=3, lora_modules=(f"adapter0={setup['paths'][0]}",),
+                   lora_rank_buckets=(4, 8))
 
 
 def test_eight_adapters_over_two_slots_without_recompiling(setup, engine2):
     prompts, loras = setup["prompts"], setup["requests"]
-    _run(engine2, [("warm", prompts[0], loras[0])])
+    run_jobs(engine2, [("warm", prompts[0], loras[0])])
     before = num_backend_compilations()
     order = [0, 4, 1, 5, 2, 6, 3, 7, 0, 7]  # interleaved; each adapter's requests land in turn
-    outs, most = _run(engine2, [(f"r{j}", prompts[j % 5], loras[i]) for j, i in enumerate(order)])
+    outs, most = run_jobs(engine2, [(f"r{j}", prompts[j % 5], loras[i]) for j, i in enumerate(order)])
     assert num_backend_compilations() == before  # nothing compiled: slots fill by a compiled write
     assert most == 2
     slots = engine2.runner.lora
     assert slots.num_evictions >= 6 and engine2.lora_manager.num_disk_loads > 8  # host LRU (3) reloads too
+    assert engine2.runner.lora_rank_steps.get(4, 0) > 0 and engine2.runner.lora_rank_steps.get(8, 0) > 0
     for j, i in enumerate(order):
-        _check(setup, i + 1, prompts[j % 5], outs[f"r{j}"])
+        check_greedy(setup, i + 1, prompts[j % 5], outs[f"r{j}"])
 
 
 def test_prefix_cache_keeps_adapters_apart(setup, engine2):
     prompt = setup["prompts"][2] * 2
     assert len(prompt) == 56  # three full blocks
     loras = setup["requests"]
-    first, _ = _run(engine2, [("p1", prompt, loras[1])])
-    again, _ = _run(engine2, [("p1b", prompt, loras[1])])
-    other, _ = _run(engine2, [("p2", prompt, loras[2])])
-    base, _ = _run(engine2, [("p0", prompt, None)])
+    first, _ = run_jobs(engine2, [("p1", prompt, loras[1])])
+    again, _ = run_jobs(engine2, [("p1b", prompt, loras[1])])
+    other, _ = run_jobs(engine2, [("p2", prompt, loras[2])])
+    base, _ = run_jobs(engine2, [("p0", prompt, None)])
     assert again["p1b"].metrics.num_cached_tokens == 48  # its own blocks are found again
     assert other["p2"].metrics.num_cached_tokens == 0 and base["p0"].metrics.num_cached_tokens == 0
-    _check(setup, 2, prompt, again["p1b"])
-    _check(setup, 3, prompt, other["p2"])
-    _check(setup, 0, prompt, base["p0"])
+    check_greedy(setup, 2, prompt, again["p1b"])
+    check_greedy(setup, 3, prompt, other["p2"])
+    check_greedy(setup, 0, prompt, base["p0"])
     assert first["p1"].outputs[0].token_ids == again["p1b"].outputs[0].token_ids
 
 
@@ -179,6 +106,19 @@ def test_engine_refuses_adapters_by_name(setup, engine2):
         EngineConfig(lora_modules=("a=/nowhere",))
     with pytest.raises(ValueError, match="max_cpu_loras"):
         EngineConfig(enable_lora=True, max_loras=4, max_cpu_loras=2)
+    with pytest.raises(ValueError, match=r"lora_rank_buckets must be increasing integers >= 0 ending at max_lora_rank \(8\)"):
+        EngineConfig(**{**KNOBS, "lora_rank_buckets": (0, 4)})
+    with pytest.raises(ValueError, match="lora_rank_buckets: tensor_parallel_size does not run"):
+        EngineConfig(**{**KNOBS, "lora_rank_buckets": (4, 8), "tensor_parallel_size": 2})
+
+
+def test_rank_buckets_pick_the_smallest_rank_holding_the_step(engine2):
+    assert engine2.runner.shapes.lora_ranks == (4, 8)
+    shapes = dataclasses.replace(engine2.runner.shapes, lora_ranks=(0, 4, 8))
+    assert len(shapes.all_buckets()) == 3 and {b.lora_rank for b in shapes.all_buckets()} == {0, 4, 8}
+    assert [shapes.bucket_for(20, 3, lora_rank=r).lora_rank for r in (0, 1, 4, 5, 8)] == [0, 4, 4, 8, 8]
+    plain = dataclasses.replace(shapes, lora_ranks=())
+    assert plain.bucket_for(20, 3, lora_rank=5).lora_rank is None  # no rank buckets: the whole rank
 
 
 KEY = "lora-test-key"
@@ -219,12 +159,15 @@ def server(engine2):
 @pytest.fixture(scope="module")
 def expected(setup, engine2):
     """Texts the server must answer, from the engine offline (each checked against its merged
-    reference) before the server takes the engine over: adapter 0, adapter 5, the base."""
+    reference) before the server takes the engine over: adapter 0, adapter 5, the base, and
+    adapter 0 under a JSON schema (test_lora_spec.py checks such outputs against the merged model)."""
     prompt = setup["prompts"][1]
-    outs, _ = _run(engine2, [("e0", prompt, setup["requests"][0]), ("e5", prompt, setup["requests"][5]),
-                             ("eb", prompt, None)])
+    constrained = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    outs, _ = run_jobs(engine2, [("e0", prompt, setup["requests"][0]), ("e5", prompt, setup["requests"][5]),
+                             ("eb", prompt, None), ("ej", prompt, setup["requests"][0], constrained)])
     for rid, which in (("e0", 1), ("e5", 6), ("eb", 0)):
-        _check(setup, which, prompt, outs[rid])
+        check_greedy(setup, which, prompt, outs[rid])
+    jsonschema.validate(json.loads(outs["ej"].outputs[0].text), SCHEMA)
     return {rid: outs[rid].outputs[0].text for rid in outs}
 
 
@@ -235,6 +178,9 @@ def test_server_with_the_openai_client(setup, expected, engine2, server):
     kwargs = dict(prompt=PROMPTS[1], max_tokens=NEW_TOKENS, temperature=0, extra_body={"ignore_eos": True})
     whole = client.completions.create(model="adapter0", **kwargs)
     assert whole.choices[0].text == expected["e0"]
+    json_out = client.completions.create(model="adapter0", prompt=PROMPTS[1], max_tokens=40, temperature=0,
+                                         extra_body={"structured_outputs": {"json": SCHEMA}})
+    assert json_out.choices[0].text == expected["ej"]  # structured output under an adapter
     streamed = "".join(c.choices[0].text for c in client.completions.create(model="adapter0", stream=True, **kwargs)
                        if c.choices)
     assert streamed == expected["e0"]

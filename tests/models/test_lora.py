@@ -128,7 +128,7 @@ def test_paged_forward_with_adapters_equals_merged_dense(tmp_path, fast_compile)
 
 def test_the_three_product_forms_equal_a_per_token_reference():
     """lora_delta for gather, ragged and masked against numpy, token by token: fused segments
-    (q/k/v), unsorted slots, the zero slot 0, a traced layer index."""
+    (q/k/v), unsorted slots, the zero slot 0, a traced layer index; and over a rank bucket."""
     rng = np.random.default_rng(1)
     layers, slots, n_seg, rank, e = 2, 4, 3, 4, 16
     segments = ((0, 8), (8, 12), (12, 16))
@@ -146,3 +146,17 @@ def test_the_three_product_forms_equal_a_per_token_reference():
         got = jax.jit(lambda x, a, b, s, layer, m=method: lora_delta(x, a, b, s, layer, segments, method=m))(
             x, a, b, token_slots, jnp.int32(1))
         np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-5, err_msg=method)
+    # A rank bucket of 2: exact when the tokens' adapters have nothing past column 2 of each
+    # segment (slot 1 keeps its columns 2-3: no token of slot 1 in this step).
+    for j in range(n_seg):
+        a[:, 2:, j * rank + 2 : (j + 1) * rank] = 0
+    token_slots[token_slots == 1] = 3
+    expected = np.zeros((7, 16), np.float32)
+    for t, s in enumerate(token_slots):
+        u = a[1, s] @ x[t]
+        for j, (start, end) in enumerate(segments):
+            expected[t, start:end] = b[1, start:end, s] @ u[j * rank : (j + 1) * rank]
+    for method in LORA_METHODS:
+        got = jax.jit(lambda x, a, b, s, layer, m=method: lora_delta(x, a, b, s, layer, segments, method=m, rank=2))(
+            x, a, b, token_slots, jnp.int32(1))
+        np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-5, err_msg=f"{method}, rank 2")
