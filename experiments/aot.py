@@ -33,7 +33,8 @@ from absl import app, flags
 from engine.config import EngineConfig
 from engine.speculative_config import SpeculativeConfig
 from experiments import capacity as capacity_tool
-from experiments.lab.aot_build import Build, compile_for_target, save
+from experiments.lab.aot_build import compile_for_target, save
+from experiments.lab.aot_results import Build
 from experiments.lab.targets import TARGETS
 from models.config import ModelConfig
 

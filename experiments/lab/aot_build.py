@@ -14,7 +14,6 @@ cost (`cost_analysis`, where the backend gives it) and collectives (the optimize
 from __future__ import annotations
 
 import dataclasses
-import re
 import time
 
 import jax
@@ -36,152 +35,23 @@ from engine.step.mesh import replica_meshes
 from engine.step.placement import Placement
 from engine.step.program import lower_bucket, make_step, served_params_spec, table_state_spec
 from engine.step.step_inputs import BatchBuilder
-from experiments.lab.targets import compile_only_devices, target
+from experiments.lab.aot_results import (
+    BucketResult,
+    Build,
+    count_collectives,
+    devices_for,
+    nbytes,
+    refused,
+    target_figures,
+    tree_bytes_per_device,
+    with_sharding,
+)
+from experiments.lab.aot_side_programs import draft_head_programs, transfer_programs
 from models.config import ModelConfig
 from models.sharding import KV_CACHE_SPEC, param_specs
 from pallas_kernels import resolve_backend
 from pallas_kernels.kv_quant import allocate_scaled
 from scheduler.sliding_window import num_blocks_needed
-
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-
-
-@dataclasses.dataclass
-class BucketResult:
-    padded_tokens: int
-    padded_seqs: int
-    padded_logits: int
-    compile_s: float
-    temp_bytes: int  # per device, the compiler's temporaries
-    code_bytes: int
-    flops: float | None  # per device, from cost_analysis (None where the backend gives none)
-    bytes_accessed: float | None
-    roofline_step_s: float | None  # max(flops / peak, bytes / bandwidth) at the target's peaks
-    decode_tok_s: float | None  # padded_seqs / roofline step, for a pure decode bucket (T == S)
-    collectives_per_layer: dict
-    collectives_outside_layers: dict
-    executable: object = dataclasses.field(default=None, repr=False)
-    error: str | None = None  # the compiler's refusal (out of memory), when it refused
-    required_bytes: int | None = None  # what the refusing compiler said the program needs in all
-
-
-def _refused(bucket, seconds: float, message: str) -> BucketResult:
-    """A bucket the compiler refused for memory, with the total its message states (XLA:TPU
-    counts arguments and temporaries together there)."""
-    found = re.search(r"temporaries \(([\d.]+)([KMGT])\)", message)
-    temp = int(float(found.group(1)) * 1024 ** "KMGT".index(found.group(2)) * 1024) if found else 0
-    first = message.strip().splitlines()[0] if message.strip() else message
-    return BucketResult(bucket.padded_tokens, bucket.padded_seqs, bucket.padded_logits, seconds,
-                        0, 0, None, None, None, None, {}, {}, None, first[:300], temp or None)
-
-
-@dataclasses.dataclass
-class Build:
-    target: str
-    platform: str
-    dtype: str
-    attention_backend: str
-    layer_loop: str
-    tensor_parallel_size: int
-    max_model_len: int
-    block_size: int
-    num_blocks: int
-    hbm_bytes: int  # per device
-    usable_bytes: int  # what the runtime hands out (GPU: its preallocation fraction)
-    weights_bytes: int  # per device
-    kv_cache_bytes: int  # per device
-    table_bytes: int  # per device (the request table: sampling state, output counts)
-    kv_bytes_per_block: int  # per device, every layer's (with a sliding group kv_cache_bytes has both groups')
-    buckets: list[BucketResult]
-    shapes: RunnerShapes = None
-    manifest: dict = None  # engine/step/executables.py: what a loading server must match
-    transfers: list = dataclasses.field(default_factory=list)  # disaggregation's KV programs
-    # speculative decoding's draft (draft_model: its runner; draft_head: its chain), when there is
-    # one: method, weights_bytes, kv_cache_bytes, table_bytes, programs (each with compile_s, temp_bytes)
-    draft: dict | None = None
-
-    @property
-    def temp_bytes(self) -> int:
-        own = max((b.temp_bytes for b in self.buckets), default=0)
-        return max([own, *(p["temp_bytes"] for p in self.draft["programs"])] if self.draft else [own])
-
-    @property
-    def draft_bytes(self) -> int:
-        d = self.draft
-        return d["weights_bytes"] + d["kv_cache_bytes"] + d["table_bytes"] if d else 0
-
-    @property
-    def total_bytes(self) -> int:
-        return self.weights_bytes + self.kv_cache_bytes + self.table_bytes + self.temp_bytes + self.draft_bytes
-
-    @property
-    def fits(self) -> bool:
-        refused = any(b.error for b in self.buckets) or any(
-            p["error"] for p in (self.draft["programs"] if self.draft else []))
-        return not refused and self.num_blocks >= 2 and self.total_bytes <= self.usable_bytes
-
-    @property
-    def max_kv_blocks(self) -> int:
-        """The largest cache (blocks, with the null block) that fits beside the rest (a draft
-        model's cache has as many blocks as the target's)."""
-        d = self.draft
-        draft_fixed = d["weights_bytes"] + d["table_bytes"] if d else 0
-        draft_per_block = d["kv_cache_bytes"] // self.num_blocks if d else 0
-        free = self.usable_bytes - self.weights_bytes - self.table_bytes - self.temp_bytes - draft_fixed
-        return max(0, free // (self.kv_bytes_per_block + draft_per_block))
-
-
-def _nbytes(leaf) -> int:
-    shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
-    return int(np.prod(shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
-
-
-def tree_bytes_per_device(tree) -> int:
-    return sum(_nbytes(leaf) for leaf in jax.tree.leaves(tree))
-
-
-def _with_sharding(tree, shardings):
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
-
-
-def count_collectives(hlo_text: str) -> tuple[dict, dict]:
-    """(ops inside while-loop bodies, ops elsewhere) per collective kind, from optimized HLO text.
-    Under a scan over layers the body is one layer; the rest is the embedding and the logits."""
-    bodies = set(re.findall(r"body=%?([\w.\-]+)", hlo_text))
-    inside = dict.fromkeys(COLLECTIVES, 0)
-    outside = dict.fromkeys(COLLECTIVES, 0)
-    current = None
-    for line in hlo_text.splitlines():
-        if line[:1] not in (" ", "") and line.rstrip().endswith("{"):  # a computation's header
-            current = line.removeprefix("ENTRY ").split()[0].lstrip("%")
-            continue
-        for op in COLLECTIVES:
-            if re.search(rf"\s{op}(-start)?\(", line):
-                (inside if current in bodies else outside)[op] += 1
-    return inside, outside
-
-
-def _devices_for(target_name: str, count: int) -> list:
-    if target_name == "cpu":
-        devices = jax.devices("cpu")
-    else:
-        devices = list(compile_only_devices(target_name))
-    if count > len(devices):
-        raise ValueError(f"target {target_name}: tensor_parallel_size x data_parallel_size needs "
-                         f"{count} devices, the target has {len(devices)}")
-    return devices[:count]
-
-
-def target_figures(target_name: str) -> tuple[str, int, int, float, float]:
-    """(platform, HBM bytes, usable bytes, peak FLOP/s, bandwidth) per device."""
-    if target_name == "cpu":
-        from experiments.lab.capacity_devices import device_spec
-
-        spec = device_spec("cpu")
-        return "cpu", int(spec.hbm_bytes), int(spec.hbm_bytes), spec.peak_flops, spec.bandwidth
-    t = target(target_name)
-    spec = t.spec
-    return t.kind, t.hbm_bytes, int(t.hbm_bytes * spec.memory_fraction), spec.peak_flops, spec.bandwidth
 
 
 def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: str, *,
@@ -203,7 +73,7 @@ def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: st
         raise ValueError("speculative_config method 'draft_head': pass the head's DraftHeadConfig")
     # With disaggregation each pool is a (1, tp) mesh of its own devices, tp its device count.
     tp = config.disaggregation.prefill if config.disaggregation else config.tensor_parallel_size
-    devices = _devices_for(target_name, tp * config.data_parallel_size)
+    devices = devices_for(target_name, tp * config.data_parallel_size)
     dtype = resolve_dtype(config, platform)
     backend = resolve_backend(config.attention_backend, platform)
     layer_loop = resolve_layer_loop(config, platform)
@@ -236,7 +106,7 @@ def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: st
             lora_shardings = jax.tree.map(lambda s: NamedSharding(placement.mesh, s),
                                           lora_partition_specs(lora, MODEL_AXIS),
                                           is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
-        params = {**params, "lora": _with_sharding(lora, lora_shardings)}
+        params = {**params, "lora": with_sharding(lora, lora_shardings)}
     weights = tree_bytes_per_device(params)
     per_block = bytes_per_block(kv_config, bs, dtype, config.kv_cache_dtype) // tp
     # engine/step/kv_cache.py num_blocks_for on an accelerator: a fraction of what is free
@@ -272,7 +142,7 @@ def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: st
     kv_state = _kv_state(kv_config, shapes, dtype, backend, kv_sharding, config.kv_cache_dtype,
                          on_mesh=placement is not None)
     table = table_state_spec(shapes)
-    table = _with_sharding(table, jax.tree.map(lambda _: replicated, table))
+    table = with_sharding(table, jax.tree.map(lambda _: replicated, table))
     state = (params, kv_state, table)
     keep_hidden = drafting == "draft_head"
     step = make_step(model, shapes, attention_backend=backend, interpret=False,
@@ -293,8 +163,8 @@ def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: st
         draft = _draft_model_programs(draft_model, shapes, dtype=dtype, backend=backend, layer_loop=layer_loop,
                                       device=devices[0], peak=peak, bandwidth=bandwidth, progress=progress)
     elif drafting == "draft_head":
-        draft = _draft_head_programs(draft_head, params, shapes, spec.num_speculative_tokens, progress=progress)
-    transfers = _transfer_programs(config, target_name, kv_leaf, max_blocks_per_seq) if config.disaggregation else []
+        draft = draft_head_programs(draft_head, params, shapes, spec.num_speculative_tokens, progress=progress)
+    transfers = transfer_programs(config, target_name, kv_leaf, max_blocks_per_seq) if config.disaggregation else []
     meta = manifest(platform=platform, device_kind=devices[0].device_kind, model=model, dtype=dtype,
                     attention_backend=backend, layer_loop=layer_loop, tensor_parallel_size=tp,
                     shapes=shapes, quantization=config.quantization, activation_rows=activation_rows,
@@ -316,11 +186,11 @@ def _abstract_params(model: ModelConfig, dtype: str, layer_loop: str, placement,
                                 quantization=quantization, activation_rows=activation_rows)
     if placement is None:
         single = SingleDeviceSharding(device)
-        return _with_sharding(params, jax.tree.map(lambda _: single, params)), single, single, model
+        return with_sharding(params, jax.tree.map(lambda _: single, params)), single, single, model
     specs = param_specs(params)
     shardings = jax.tree.map(lambda s: NamedSharding(placement.mesh, s), specs,
                              is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
-    return (_with_sharding(params, shardings), placement.replicated,
+    return (with_sharding(params, shardings), placement.replicated,
             NamedSharding(placement.mesh, KV_CACHE_SPEC), placement.layout.padded)
 
 
@@ -349,7 +219,7 @@ def _kv_state(kv_config: ModelConfig, shapes: RunnerShapes, dtype: str, backend:
         if kv_cache_dtype != "auto":  # values and scales (pallas_kernels/kv_quant.py)
             leaf = jax.eval_shape(lambda shape=leaf.shape: allocate_scaled(shape, kv_cache_dtype))
             split = scaled_sharding(sharding, kv_cache_dtype) if on_mesh else jax.tree.map(lambda _: sharding, leaf)
-            leaf = _with_sharding(leaf, split)
+            leaf = with_sharding(leaf, split)
         state += (leaf, leaf)
     return state
 
@@ -368,7 +238,7 @@ def _compile_buckets(step, shapes: RunnerShapes, buckets, state, replicated, *, 
         except Exception as e:  # XLA:TPU refuses a program that does not fit its HBM
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
-            results.append(_refused(bucket, time.perf_counter() - start, str(e)))
+            results.append(refused(bucket, time.perf_counter() - start, str(e)))
             if progress:
                 progress(f"  {label} T={bucket.padded_tokens:5d} S={bucket.padded_seqs:4d}: "
                          f"refused by the compiler: {results[-1].error}")
@@ -426,7 +296,7 @@ class _LayerCost:
             # operands, so the figures are what it says of the unrolled program (tested against one).
             kv = _kv_state(kv_config, shapes, dtype, backend, kv_sharding)
             table = table_state_spec(shapes)
-            table = _with_sharding(table, jax.tree.map(lambda _, r=replicated: r, table))
+            table = with_sharding(table, jax.tree.map(lambda _, r=replicated: r, table))
             step = make_step(small, shapes, attention_backend=backend, interpret=False, layer_loop="unrolled",
                              placement=placement, keep_hidden=False)
             self.variants.append((step, (params, kv, table), replicated))
@@ -454,77 +324,18 @@ def _draft_model_programs(draft: ModelConfig, shapes: RunnerShapes, *, dtype, ba
     params, replicated, kv_sharding, kv_config = _abstract_params(draft, dtype, layer_loop, None, device)
     kv = _kv_leaf(kv_config, draft_shapes.num_blocks, draft_shapes.block_size, dtype, backend, kv_sharding)
     table = table_state_spec(draft_shapes)
-    table = _with_sharding(table, jax.tree.map(lambda _: replicated, table))
+    table = with_sharding(table, jax.tree.map(lambda _: replicated, table))
     step = make_step(draft, draft_shapes, attention_backend=backend, interpret=False, layer_loop=layer_loop,
                      placement=None, keep_hidden=False)
     results = _compile_buckets(step, draft_shapes, draft_shapes.all_buckets(), (params, (kv, kv), table),
                                replicated, layer_loop=layer_loop, num_layers=draft.num_layers, peak=peak,
                                bandwidth=bandwidth, progress=progress, label="draft bucket")
     return {"method": "draft_model", "model": draft.name,
-            "weights_bytes": tree_bytes_per_device(params), "kv_cache_bytes": 2 * _nbytes(kv),
+            "weights_bytes": tree_bytes_per_device(params), "kv_cache_bytes": 2 * nbytes(kv),
             "table_bytes": tree_bytes_per_device(table),
             "programs": [{"program": "draft step", "padded_tokens": r.padded_tokens, "padded_seqs": r.padded_seqs,
                           "compile_s": r.compile_s, "temp_bytes": r.temp_bytes, "error": r.error}
                          for r in results]}
-
-
-def _draft_head_programs(cfg, target_params, shapes: RunnerShapes, k: int, *, progress) -> dict:
-    """The draft head's chain (engine/spec_decode/draft_head.py DraftHeadProposer: one program per
-    sequence bucket over the target's final hidden states), with abstract head weights and the
-    target's arrays it reads (embedding, final norm, lm_draft)."""
-    from engine.spec_decode.draft_head import draft_head_program
-
-    device = jax.tree.leaves(target_params)[0].sharding
-    fn, head, shared = draft_head_program(cfg, target_params, k)
-    head = _with_sharding(head, jax.tree.map(lambda _: device, head))
-    shared = _with_sharding(shared, jax.tree.map(lambda _: device, shared))
-    hidden = jax.ShapeDtypeStruct((shapes.max_logits, cfg.hidden_size), np.float32, sharding=device)
-    programs = []
-    for s in shapes.seq_buckets:
-        rows = jax.ShapeDtypeStruct((s,), np.int32, sharding=device)
-        start = time.perf_counter()
-        compiled = fn.lower(head, shared, hidden, rows, rows).compile()
-        mem = compiled.memory_analysis()
-        programs.append({"program": "draft head", "padded_seqs": s, "compile_s": time.perf_counter() - start,
-                         "temp_bytes": int(mem.temp_size_in_bytes) if mem else 0, "error": None})
-        if progress:
-            progress(f"  draft head S={s:4d}: compiled in {programs[-1]['compile_s']:6.2f} s")
-    # lm_draft is the head's own copy (float32 [e, V']); embedding and final norm are the target's.
-    own = tree_bytes_per_device(head) + _nbytes(shared["lm_draft"]) + _nbytes(shared["vocab_map"])
-    return {"method": "draft_head", "model": cfg.target or "draft head", "weights_bytes": own,
-            "kv_cache_bytes": 0, "table_bytes": 0, "programs": programs}
-
-
-def _transfer_programs(config: EngineConfig, target_name: str, kv_leaf, max_blocks_per_seq: int) -> list:
-    """Disaggregation's KV gather (on the prefill pool) and scatter (on the decode pool, the next
-    devices) for every block bucket, compiled like KVGather and KVScatter compile them."""
-    from engine.disaggregation.kv_transfer import block_buckets, gather_blocks, scatter_blocks
-
-    pd = config.disaggregation
-    if pd.decode_address is not None:
-        raise ValueError("--disaggregation with decode_address: the decode pool is another "
-                         "process; compile its programs there (this tool builds one process)")
-    more = _devices_for(target_name, pd.num_devices)
-    pools = []
-    for pool in (more[: pd.prefill], more[pd.prefill:]):
-        mesh = replica_meshes(len(pool), 1, pool)[0]
-        pools.append((NamedSharding(mesh, KV_CACHE_SPEC), NamedSharding(mesh, jax.sharding.PartitionSpec())))
-    out = []
-    for n in block_buckets(max_blocks_per_seq):
-        (src, src_ids), (dst, dst_ids) = pools
-        cache = lambda s: jax.ShapeDtypeStruct(kv_leaf.shape, kv_leaf.dtype, sharding=s)  # noqa: E731
-        blocks = (kv_leaf.shape[0], n, *kv_leaf.shape[2:])
-        moved = jax.ShapeDtypeStruct(blocks, kv_leaf.dtype, sharding=dst)
-        for name, jitted, args in (
-            ("gather", jax.jit(gather_blocks, out_shardings=(src, src)),
-             (cache(src), cache(src), jax.ShapeDtypeStruct((n,), np.int32, sharding=src_ids))),
-            ("scatter", jax.jit(scatter_blocks, donate_argnums=(0, 1), out_shardings=(dst, dst)),
-             (cache(dst), cache(dst), moved, moved, jax.ShapeDtypeStruct((n,), np.int32, sharding=dst_ids))),
-        ):
-            start = time.perf_counter()
-            jitted.lower(*args).compile()
-            out.append({"program": name, "blocks": n, "compile_s": time.perf_counter() - start})
-    return out
 
 
 def save(build: Build, folder: str) -> None:

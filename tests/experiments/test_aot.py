@@ -17,7 +17,8 @@ import pytest
 from engine.config import EngineConfig
 from engine.speculative_config import SpeculativeConfig
 from experiments import aot
-from experiments.lab.aot_build import compile_for_target, count_collectives
+from experiments.lab.aot_build import compile_for_target
+from experiments.lab.aot_results import count_collectives
 from models.config import preset_config
 
 TINY = preset_config("tiny")

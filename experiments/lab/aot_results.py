@@ -1,0 +1,155 @@
+"""What experiments.aot reports of a build: per-bucket results, the Build with its fit, byte
+counts of abstract arrays, the collectives read from optimized HLO, and the target's figures
+(experiments/lab/targets.py). aot_build.py makes Builds; experiments/aot.py prints and saves them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import numpy as np
+
+from engine.step.buckets import RunnerShapes
+from experiments.lab.targets import compile_only_devices, target
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+@dataclasses.dataclass
+class BucketResult:
+    padded_tokens: int
+    padded_seqs: int
+    padded_logits: int
+    compile_s: float
+    temp_bytes: int  # per device, the compiler's temporaries
+    code_bytes: int
+    flops: float | None  # per device, from cost_analysis (None where the backend gives none)
+    bytes_accessed: float | None
+    roofline_step_s: float | None  # max(flops / peak, bytes / bandwidth) at the target's peaks
+    decode_tok_s: float | None  # padded_seqs / roofline step, for a pure decode bucket (T == S)
+    collectives_per_layer: dict
+    collectives_outside_layers: dict
+    executable: object = dataclasses.field(default=None, repr=False)
+    error: str | None = None  # the compiler's refusal (out of memory), when it refused
+    required_bytes: int | None = None  # what the refusing compiler said the program needs in all
+
+
+def refused(bucket, seconds: float, message: str) -> BucketResult:
+    """A bucket the compiler refused for memory, with the total its message states (XLA:TPU
+    counts arguments and temporaries together there)."""
+    found = re.search(r"temporaries \(([\d.]+)([KMGT])\)", message)
+    temp = int(float(found.group(1)) * 1024 ** "KMGT".index(found.group(2)) * 1024) if found else 0
+    first = message.strip().splitlines()[0] if message.strip() else message
+    return BucketResult(bucket.padded_tokens, bucket.padded_seqs, bucket.padded_logits, seconds,
+                        0, 0, None, None, None, None, {}, {}, None, first[:300], temp or None)
+
+
+@dataclasses.dataclass
+class Build:
+    target: str
+    platform: str
+    dtype: str
+    attention_backend: str
+    layer_loop: str
+    tensor_parallel_size: int
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    hbm_bytes: int  # per device
+    usable_bytes: int  # what the runtime hands out (GPU: its preallocation fraction)
+    weights_bytes: int  # per device
+    kv_cache_bytes: int  # per device
+    table_bytes: int  # per device (the request table: sampling state, output counts)
+    kv_bytes_per_block: int  # per device, every layer's (with a sliding group kv_cache_bytes has both groups')
+    buckets: list[BucketResult]
+    shapes: RunnerShapes = None
+    manifest: dict = None  # engine/step/executables.py: what a loading server must match
+    transfers: list = dataclasses.field(default_factory=list)  # disaggregation's KV programs
+    # speculative decoding's draft (draft_model: its runner; draft_head: its chain), when there is
+    # one: method, weights_bytes, kv_cache_bytes, table_bytes, programs (each with compile_s, temp_bytes)
+    draft: dict | None = None
+
+    @property
+    def temp_bytes(self) -> int:
+        own = max((b.temp_bytes for b in self.buckets), default=0)
+        return max([own, *(p["temp_bytes"] for p in self.draft["programs"])] if self.draft else [own])
+
+    @property
+    def draft_bytes(self) -> int:
+        d = self.draft
+        return d["weights_bytes"] + d["kv_cache_bytes"] + d["table_bytes"] if d else 0
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.kv_cache_bytes + self.table_bytes + self.temp_bytes + self.draft_bytes
+
+    @property
+    def fits(self) -> bool:
+        refused = any(b.error for b in self.buckets) or any(
+            p["error"] for p in (self.draft["programs"] if self.draft else []))
+        return not refused and self.num_blocks >= 2 and self.total_bytes <= self.usable_bytes
+
+    @property
+    def max_kv_blocks(self) -> int:
+        """The largest cache (blocks, with the null block) that fits beside the rest (a draft
+        model's cache has as many blocks as the target's)."""
+        d = self.draft
+        draft_fixed = d["weights_bytes"] + d["table_bytes"] if d else 0
+        draft_per_block = d["kv_cache_bytes"] // self.num_blocks if d else 0
+        free = self.usable_bytes - self.weights_bytes - self.table_bytes - self.temp_bytes - draft_fixed
+        return max(0, free // (self.kv_bytes_per_block + draft_per_block))
+
+
+def nbytes(leaf) -> int:
+    shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+
+
+def tree_bytes_per_device(tree) -> int:
+    return sum(nbytes(leaf) for leaf in jax.tree.leaves(tree))
+
+
+def with_sharding(tree, shardings):
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+
+
+def count_collectives(hlo_text: str) -> tuple[dict, dict]:
+    """(ops inside while-loop bodies, ops elsewhere) per collective kind, from optimized HLO text.
+    Under a scan over layers the body is one layer; the rest is the embedding and the logits."""
+    bodies = set(re.findall(r"body=%?([\w.\-]+)", hlo_text))
+    inside = dict.fromkeys(COLLECTIVES, 0)
+    outside = dict.fromkeys(COLLECTIVES, 0)
+    current = None
+    for line in hlo_text.splitlines():
+        if line[:1] not in (" ", "") and line.rstrip().endswith("{"):  # a computation's header
+            current = line.removeprefix("ENTRY ").split()[0].lstrip("%")
+            continue
+        for op in COLLECTIVES:
+            if re.search(rf"\s{op}(-start)?\(", line):
+                (inside if current in bodies else outside)[op] += 1
+    return inside, outside
+
+
+def devices_for(target_name: str, count: int) -> list:
+    if target_name == "cpu":
+        devices = jax.devices("cpu")
+    else:
+        devices = list(compile_only_devices(target_name))
+    if count > len(devices):
+        raise ValueError(f"target {target_name}: tensor_parallel_size x data_parallel_size needs "
+                         f"{count} devices, the target has {len(devices)}")
+    return devices[:count]
+
+
+def target_figures(target_name: str) -> tuple[str, int, int, float, float]:
+    """(platform, HBM bytes, usable bytes, peak FLOP/s, bandwidth) per device."""
+    if target_name == "cpu":
+        from experiments.lab.capacity_devices import device_spec
+
+        spec = device_spec("cpu")
+        return "cpu", int(spec.hbm_bytes), int(spec.hbm_bytes), spec.peak_flops, spec.bandwidth
+    t = target(target_name)
+    spec = t.spec
+    return t.kind, t.hbm_bytes, int(t.hbm_bytes * spec.memory_fraction), spec.peak_flops, spec.bandwidth
