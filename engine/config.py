@@ -38,7 +38,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # explicit KV cache size; overrides the two below
     kv_cache_memory_fraction: float = 0.85  # of free device memory (accelerators)
     kv_cache_bytes: int = 512 * 1024 * 1024  # byte budget on the CPU (per device on a mesh)
-    kv_cache_dtype: str = "auto"  # auto (the model dtype) | int8 | fp8_e4m3: 8-bit K and V with a scale per token and kv head (pallas_kernels/kv_quant.py); the xla attention backend only
+    kv_cache_dtype: str = "auto"  # auto (the model dtype) | int8 | fp8_e4m3: 8-bit K and V with a scale per token and kv head (pallas_kernels/kv_quant.py); every attention backend
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # fcfs | priority | static (baseline)

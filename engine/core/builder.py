@@ -94,10 +94,6 @@ def build_parts(config: EngineConfig, *, progress: bool = True, mesh=None, loade
             f"EngineConfig.attention_backend={config.attention_backend!r}: Pallas kernels do not "
             "compile for the CPU; pass interpret=True to run them in Pallas interpret mode "
             "(slow, for tests), or use attention_backend='xla' (the CPU path)")
-    if config.kv_cache_dtype != "auto" and backend != "xla":
-        raise ValueError(f"EngineConfig.kv_cache_dtype={config.kv_cache_dtype!r}: the {backend} attention "
-                         "kernel does not read an 8-bit KV cache yet; use attention_backend='xla' "
-                         "(pallas_kernels/kv_quant.py)")
     start = time.perf_counter()
     if loaded is None:
         loaded = load_model(config.model, dtype=dtype, seed=config.seed, tokenizer=config.tokenizer,

@@ -105,9 +105,17 @@ def test_knobs_are_refused_by_name(knobs, match):
         EngineConfig(model="random:tiny", **knobs)
 
 
-def test_pallas_backends_refuse_an_8bit_cache_before_loading():
+def test_the_pallas_kernel_serves_the_8bit_cache_as_the_xla_path_does(engine):
+    """attention_backend="pallas" (the Triton kernel in interpret mode on the CPU) writes and reads
+    the int8 cache: seeded high-temperature samples (which follow every logit) equal the xla
+    engine's; the kernels' numerics against the oracle are tests/pallas_kernels'."""
     from engine.core.llm_engine import LLMEngine
 
-    with pytest.raises(ValueError, match="does not read an 8-bit KV cache"):
-        LLMEngine(EngineConfig(**dict(TINY_KNOBS, kv_cache_dtype="int8", attention_backend="pallas",
-                                      interpret=True)), progress=False)
+    pallas = LLMEngine(EngineConfig(**dict(KNOBS, attention_backend="pallas", interpret=True, seq_buckets=(4,),
+                                           max_num_seqs=4)), progress=False)
+    assert pallas.attention_backend == "pallas_gpu" and isinstance(pallas.runner.kv_cache[0], ScaledCache)
+    requests = [(f"p{i}", p, SamplingParams(temperature=40.0, seed=i, max_tokens=6, ignore_eos=True))
+                for i, p in enumerate(PROMPTS[1:3])]
+    got, want = run_to_completion(pallas, requests), run_to_completion(engine, requests)
+    for rid, _, _ in requests:
+        assert got[rid].outputs[0].token_ids == want[rid].outputs[0].token_ids
