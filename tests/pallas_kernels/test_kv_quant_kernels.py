@@ -79,6 +79,30 @@ def test_kernels_read_an_8bit_cache_as_the_oracle_reads_its_dequantized_pages(ca
     assert not np.any(got[live:]), "padding tokens must be zeros"
 
 
+def test_tpu_kernel_on_an_8bit_cache_has_no_races_and_reads_no_unwritten_memory():
+    """The scale pages' two extra DMAs per page, under TPU interpret mode's race detector and with
+    uninitialized memory NaN (a scale page read before its copy lands would show)."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpreter
+    from jax.experimental.pallas import tpu as pltpu
+
+    from pallas_kernels.tpu import ragged_paged_attention_tpu
+    from tests.pallas_kernels.cases import prepare
+
+    case, kind = CASES[0]
+    batch, dequantized = _scaled_batch(case, kind)
+    options = case_options(case)
+    params = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
+
+    def run(b):
+        md = prepare(b, backend="pallas_tpu", sliding_window=options["sliding_window"])
+        return ragged_paged_attention_tpu(b["q"], b["k_pages"], b["v_pages"], md, **options, interpret=params)
+
+    arrays = {k: (v if isinstance(v, ScaledCache) else jnp.asarray(v)) for k, v in batch.items()}
+    got = np.asarray(jax.jit(run)(arrays))
+    np.testing.assert_allclose(got, oracle(dequantized, **options), **tolerance(case))
+    assert tpu_interpreter.races is not None and not tpu_interpreter.races.races_found
+
+
 NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, D = 3, 6, 4, 128
 
 
