@@ -326,7 +326,8 @@ def ragged_paged_attention_gpu(
     rows = md.block_q * md.group_pad
     # An 8-bit cache's tiles are converted to q's dtype before the dots (itemsize 1 never wins).
     itemsize = max(q.dtype.itemsize, jnp.dtype(jnp.result_type(k_cache)).itemsize)
-    chunk = row_chunk_or_refuse(md, rows, cache.head_dim, itemsize, is_f32, q.dtype)
+    chunk = row_chunk_or_refuse(md, rows, cache.head_dim, itemsize, is_f32, q.dtype,
+                                eight_bit=kv_cache_dtype is not None)
     result = _gpu_pallas_call(
         scalars,
         q_blocks,

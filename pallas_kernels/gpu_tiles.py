@@ -6,7 +6,8 @@ One program of the kernel stages in shared memory its q tile [C, D] and a kv ste
 float32 dots at full precision. `row_chunk` picks C: the block's R = block_q x Gp rows, halved
 until those tiles fit (`shared_memory_bytes` against SHARED_MEMORY_LIMITS); `row_chunk_or_refuse`
 raises the error naming the limit and the knobs when not even 16 rows fit. An 8-bit cache's
-tiles are converted to q's dtype before the dots, so they are sized at q's itemsize.
+tiles are converted to q's dtype before the dots, so they are sized at q's itemsize, plus the
+8-bit K and V tiles that Triton stages as loaded.
 """
 
 import jax.numpy as jnp
@@ -19,7 +20,8 @@ SHARED_MEMORY_LIMITS = {"sm_80": 166_912, "sm_90": 232_448}
 
 
 def shared_memory_bytes(
-    arch: str, rows: int, kv_rows: int, head_dim: int, itemsize: int, full_precision: bool
+    arch: str, rows: int, kv_rows: int, head_dim: int, itemsize: int, full_precision: bool,
+    eight_bit: bool = False,
 ) -> int:
     """Shared memory Triton asks for one program of the kernel on `arch` ("sm_80" | "sm_90").
 
@@ -28,21 +30,26 @@ def shared_memory_bytes(
     P [rows, kv_rows] as well. This is what the compilers requested in their refusals (to within
     1 KiB, which is added): bf16 D 128, 512 x 128 rows: 197,120 B (sm_80) and 262,656 B (sm_90);
     float32 D 64, 256 x 128 rows: 263,168 B on both (tests/pallas_kernels/test_device_compile.py).
+    An 8-bit cache (eight_bit) also stages the 8-bit K and V tiles as loaded: counted as
+    2 x kv_rows x D bytes more, an upper bound of what sm_80 asked for float32 D 128 over
+    128 kv rows with an fp8 cache: 180,224 B at 32 query rows, 172,032 B at 16 (this formula:
+    197,632 and 181,248; both over sm_80's limit, so that step is refused, as it should be).
     """
     stages = 2 if arch == "sm_90" and not full_precision else 1
     elements = rows * head_dim + 2 * stages * kv_rows * head_dim
     if full_precision:
         elements += rows * kv_rows
-    return itemsize * elements + 1024
+    return itemsize * elements + (2 * kv_rows * head_dim if eight_bit else 0) + 1024
 
 
-def row_chunk(rows: int, kv_rows: int, head_dim: int, itemsize: int, full_precision: bool):
+def row_chunk(rows: int, kv_rows: int, head_dim: int, itemsize: int, full_precision: bool,
+              eight_bit: bool = False):
     """Rows per program: R, halved until the tiles fit every SHARED_MEMORY_LIMITS arch; None when
     not even _MIN_ROWS rows fit (the kv step itself is too large)."""
 
     def fits(c):
         return all(
-            shared_memory_bytes(arch, c, kv_rows, head_dim, itemsize, full_precision) <= limit
+            shared_memory_bytes(arch, c, kv_rows, head_dim, itemsize, full_precision, eight_bit) <= limit
             for arch, limit in SHARED_MEMORY_LIMITS.items()
         )
 
@@ -54,16 +61,17 @@ def row_chunk(rows: int, kv_rows: int, head_dim: int, itemsize: int, full_precis
     return chunk
 
 
-def row_chunk_or_refuse(md, rows: int, head_dim: int, itemsize: int, is_f32: bool, q_dtype) -> int:
+def row_chunk_or_refuse(md, rows: int, head_dim: int, itemsize: int, is_f32: bool, q_dtype,
+                        eight_bit: bool = False) -> int:
     """row_chunk for a query block of `rows` rows over md's kv steps; ValueError naming the shared
     memory each arch would need and the knobs that lower it when not even _MIN_ROWS rows fit."""
     bs = md.block_size
     kv_rows = md.pages_per_step * bs
-    chunk = row_chunk(rows, kv_rows, head_dim, itemsize, is_f32)
+    chunk = row_chunk(rows, kv_rows, head_dim, itemsize, is_f32, eight_bit)
     if chunk is not None:
         return chunk
     need = {
-        arch: shared_memory_bytes(arch, _MIN_ROWS, kv_rows, head_dim, itemsize, is_f32)
+        arch: shared_memory_bytes(arch, _MIN_ROWS, kv_rows, head_dim, itemsize, is_f32, eight_bit)
         for arch in SHARED_MEMORY_LIMITS
     }
     over = ", ".join(

@@ -17,7 +17,8 @@ VMEM on many KV heads: the kernel asks for more), and the shapes they refuse, wi
 names the limit and the knob. And an 8-bit cache (int8 and fp8_e4m3 values with bfloat16 scale
 arrays, pallas_kernels/kv_quant.py) on three shapes, every layout (traced, single, static) and
 both kernels on every target: the default model's decode, one kv head (the TPU's heads_major
-pages) and float32 prefill over 128-token pages.
+pages) and float32 prefill of 8 heads per kv head over 64-token pages (its rows split over
+programs on the GPU).
 
 A compiled case must hold its kernel (the Mosaic or Triton custom call, by name), answer
 memory_analysis() with the caches among its arguments, and carry device code: TPU machine code
@@ -99,7 +100,8 @@ SHAPES = [
 EIGHT_BIT_SHAPES = [
     Shape("decode", 64, 3, 3, 16, BF16, kv="int8"),  # the default model
     Shape("mixed", 128, 8, 1, 32, BF16, sliding_window=48, layout="single", kv="fp8_e4m3"),
-    Shape("prefill", 64, 1, 2, 128, F32, soft_cap=30.0, layout="static", kv="fp8_e4m3"),
+    Shape("prefill", 128, 8, 2, 64, F32, soft_cap=30.0, layout="static", kv="fp8_e4m3", num_blocks=16,
+          max_model_len=256),
 ]
 
 
@@ -234,8 +236,12 @@ class TestTriton:
             # 256 kv rows a step of float32 D 128: 288 KB of shared memory even at 16 query rows.
             (Shape("mixed", 128, 1, 1, 128, F32, num_blocks=8, tuning=(("pages_per_step", 2),)),
              r"shared memory.*sm_80.*lower pages_per_step.*block_size.*bfloat16"),
+            # float32 over 128 kv rows of an fp8 cache: sm_80 asked for 172,032 B at 16 query rows
+            # before the 8-bit tiles were counted (gpu_tiles.shared_memory_bytes).
+            (Shape("prefill", 128, 8, 2, 128, F32, num_blocks=16, max_model_len=256, kv="fp8_e4m3"),
+             r"shared memory.*sm_80.*lower pages_per_step.*block_size"),
         ],
-        ids=["head_dim-96", "block_size-24", "block_q-3", "pages_per_step-3", "smem"],
+        ids=["head_dim-96", "block_size-24", "block_q-3", "pages_per_step-3", "smem", "smem-8bit"],
     )
     def test_shapes_triton_cannot_tile_are_refused(self, shape, match):
         with pytest.raises(ValueError, match=match):
