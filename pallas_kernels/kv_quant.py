@@ -26,8 +26,12 @@ PagedKV); write_kv scatters values and scales on the xla and pallas_gpu paths, a
 writes them with a Mosaic kernel (tpu_kv_write.py). The Pallas attention kernels copy or gather the
 8-bit pages and their scale pages and dequantize them inside the kernel (tpu.py, gpu.py) with
 `values_to_float32` and `scales_to_float32`: integer and float32 operations and same-width
-bitcasts only, so no target needs an fp8 type (Triton converts float8_e4m3fn only from sm_89 on,
-and Mosaic's fp8 support differs by TPU generation): e4m3 is decoded from its bits.
+bitcasts only, so no target needs an fp8 type (Triton's float8_e4m3fn conversion aborts the
+compiler below sm_89): e4m3 is decoded from its bits.
+On a TPU this scale layout is not lane-dense: Mosaic tiles (block_size, Hkv) as (8, 128), so XLA
+keeps the scale arrays in a layout of its own and copies them into the kernels' (Hkv padded to
+128 lanes) at each step's entry and back at its exit (BUILD_NOTES.md "Quantization": measured
+with experiments.aot, and the 32-bit row-per-page layout that would avoid it).
 """
 
 from __future__ import annotations
