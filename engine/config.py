@@ -25,7 +25,7 @@ class EngineConfig:
     model: str = "default"  # "default", a GGUF file, a HF folder, an orbax folder, random:<name>
     tokenizer: str | None = None  # tokenizer path when the model path carries none
     dtype: str | None = None  # None: float32 on the CPU, bfloat16 on accelerators
-    quantization: str | None = None  # weights quantized at load, per output channel (models/quant.py): "int8" or "fp8" (e4m3); None: the dtype's weights
+    quantization: str | None = None  # weights quantized at load, per output channel (models/quant.py): "int8" or "fp8" (e4m3); "gguf": a GGUF's Q8_0 tables (token_embd, output) served in their own int8 blocks, the rest dequantized to the dtype; None: the dtype's weights
     quantization_activation_rows: int | None = None  # with quantization: products of at least this many rows quantize their activations too (int8 x int8 -> int32 / fp8 x fp8, dynamic per-row scales), smaller ones convert the weights inside a float dot; None: the platform's measured default (QUANT_ACTIVATION_ROWS); 0: every product; a number above max_num_batched_tokens: none
     attention_backend: str = "auto"  # auto: Pallas on TPU/GPU, xla on the CPU
     interpret: bool = False  # run Pallas kernels in interpret mode (CPU tests)
@@ -173,14 +173,15 @@ class EngineConfig:
         from models.quant import QUANTIZATIONS  # jax: only once a config is built
         from pallas_kernels.kv_quant import KV_CACHE_DTYPES
 
-        _choice("quantization", self.quantization, QUANTIZATIONS, allow_none=True)
+        _choice("quantization", self.quantization, (*QUANTIZATIONS, "gguf"), allow_none=True)
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         rows = self.quantization_activation_rows
         if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 0):
             raise ValueError(f"EngineConfig.quantization_activation_rows must be a non-negative integer or None, "
                              f"got {rows!r}")
-        if rows is not None and self.quantization is None:
-            raise ValueError("EngineConfig.quantization_activation_rows needs quantization (int8 or fp8)")
+        if rows is not None and self.quantization in (None, "gguf"):
+            raise ValueError("EngineConfig.quantization_activation_rows needs quantization (int8 or fp8); "
+                             f"got {self.quantization!r} (gguf blocks are weight-only)")
         for name, value, default in (("quantization", self.quantization, None),
                                      ("kv_cache_dtype", self.kv_cache_dtype, "auto")):
             if value == default:

@@ -97,7 +97,8 @@ def build_parts(config: EngineConfig, *, progress: bool = True, mesh=None, loade
     start = time.perf_counter()
     if loaded is None:
         loaded = load_model(config.model, dtype=dtype, seed=config.seed, tokenizer=config.tokenizer,
-                            progress=progress, cache_dir=config.weights_cache_dir, host=mesh is not None)
+                            progress=progress, cache_dir=config.weights_cache_dir, host=mesh is not None,
+                            native_blocks=config.quantization == "gguf")
     placement, params, kv_config = None, loaded.params, loaded.config
     layer_loop = resolve_layer_loop(config, platform)
     if mesh is not None:
@@ -169,7 +170,7 @@ def build_parts(config: EngineConfig, *, progress: bool = True, mesh=None, loade
                          background_compile=config.background_compile, progress=progress, placement=placement,
                          keep_hidden=keep_hidden or head is not None, executables=executables,
                          lora=lora_slots, lora_method=lora_method,
-                         quantization=config.quantization,
+                         quantization=None if config.quantization == "gguf" else config.quantization,  # gguf: loaded quantized
                          activation_rows=resolve_activation_rows(config, platform),
                          kv_cache_dtype=config.kv_cache_dtype)
     proposer = None

@@ -213,6 +213,9 @@ def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: st
     max_blocks_per_seq = -(-max_model_len // bs)
 
     activation_rows = resolve_activation_rows(config, platform)
+    if config.quantization == "gguf":
+        raise ValueError("--quantization=gguf serves a GGUF file's own Q8_0 tables, which a build from the "
+                         "model's config alone does not have; experiments.aot takes int8 or fp8")
     quant = dict(quantization=config.quantization, activation_rows=activation_rows)
     params, replicated, kv_sharding, kv_config = _abstract_params(model, dtype, layer_loop, placement, devices[0],
                                                                   **quant)

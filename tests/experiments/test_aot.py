@@ -98,6 +98,12 @@ def test_collective_counting_reads_loop_bodies():
     assert inside["all-reduce"] == 2 and outside == {**outside, "all-gather": 1, "all-reduce": 0}
 
 
+def test_gguf_quantization_is_refused_by_name():
+    config = EngineConfig(model="random:tiny", quantization="gguf", **SMALL)
+    with pytest.raises(ValueError, match="quantization=gguf serves a GGUF file's own Q8_0 tables"):
+        compile_for_target(config, TINY, "cpu", progress=None)
+
+
 def test_too_few_devices_is_named():
     config = EngineConfig(model="random:tiny", tensor_parallel_size=64, **SMALL)
     with pytest.raises(ValueError, match="needs 64 devices, the target has"):
