@@ -25,7 +25,7 @@ class EngineConfig:
     model: str = "default"  # "default", a GGUF file, a HF folder, an orbax folder, random:<name>
     tokenizer: str | None = None  # tokenizer path when the model path carries none
     dtype: str | None = None  # None: float32 on the CPU, bfloat16 on accelerators
-    quantization: str | None = None  # weights quantized at load, per output channel (models/quant.py): "int8" or "fp8" (e4m3); None: the dtype's weights
+    quantization: str | None = None  # weights quantized at load, per output channel (models/quant.py): "int8" or "fp8" (e4m3); "gguf": a GGUF's Q8_0 tables (token_embd, output) served in their own int8 blocks, the rest dequantized to the dtype; None: the dtype's weights
     quantization_activation_rows: int | None = None  # with quantization: products of at least this many rows quantize their activations too (int8 x int8 -> int32 / fp8 x fp8, dynamic per-row scales), smaller ones convert the weights inside a float dot; None: the platform's measured default (QUANT_ACTIVATION_ROWS); 0: every product; a number above max_num_batched_tokens: none
     attention_backend: str = "auto"  # auto: Pallas on TPU/GPU, xla on the CPU
     interpret: bool = False  # run Pallas kernels in interpret mode (CPU tests)
@@ -38,7 +38,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # explicit KV cache size; overrides the two below
     kv_cache_memory_fraction: float = 0.85  # of free device memory (accelerators)
     kv_cache_bytes: int = 512 * 1024 * 1024  # byte budget on the CPU (per device on a mesh)
-    kv_cache_dtype: str = "auto"  # auto (the model dtype) | int8 | fp8_e4m3: 8-bit K and V with a scale per token and kv head (pallas_kernels/kv_quant.py); the xla attention backend only
+    kv_cache_dtype: str = "auto"  # auto (the model dtype) | int8 | fp8_e4m3: 8-bit K and V with a scale per token and kv head (pallas_kernels/kv_quant.py); every attention backend
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # fcfs | priority | static (baseline)
@@ -175,14 +175,21 @@ class EngineConfig:
         from models.quant import QUANTIZATIONS  # jax: only once a config is built
         from pallas_kernels.kv_quant import KV_CACHE_DTYPES
 
-        _choice("quantization", self.quantization, QUANTIZATIONS, allow_none=True)
+        _choice("quantization", self.quantization, (*QUANTIZATIONS, "gguf"), allow_none=True)
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         rows = self.quantization_activation_rows
         if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 0):
             raise ValueError(f"EngineConfig.quantization_activation_rows must be a non-negative integer or None, "
                              f"got {rows!r}")
-        if rows is not None and self.quantization is None:
-            raise ValueError("EngineConfig.quantization_activation_rows needs quantization (int8 or fp8)")
+        if rows is not None and self.quantization in (None, "gguf"):
+            raise ValueError("EngineConfig.quantization_activation_rows needs quantization (int8 or fp8); "
+                             f"got {self.quantization!r} (gguf blocks are weight-only)")
+        mesh = self.tensor_parallel_size * self.data_parallel_size * self.num_processes > 1
+        if self.quantization == "gguf" and mesh:
+            raise ValueError("EngineConfig.quantization='gguf' is not implemented on a mesh (tensor_parallel_size="
+                             f"{self.tensor_parallel_size}, data_parallel_size={self.data_parallel_size}, "
+                             f"num_processes={self.num_processes}): its Q8_0 tables are placed on one device; "
+                             "int8 and fp8 shard")
         for name, value, default in (("quantization", self.quantization, None),
                                      ("kv_cache_dtype", self.kv_cache_dtype, "auto")):
             if value == default:

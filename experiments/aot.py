@@ -51,7 +51,8 @@ def report(build: Build, model: ModelConfig, config: EngineConfig) -> dict:
         cap = capacity_tool.capacity(model, device, dtype=build.dtype, tensor_parallel_size=tp,
                                      max_model_len=build.max_model_len, output_len=1,
                                      block_size=build.block_size,
-                                     kv_cache_memory_fraction=config.kv_cache_memory_fraction)
+                                     kv_cache_memory_fraction=config.kv_cache_memory_fraction,
+                                     quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype)
         predicted = {
             "weights_per_device": cap.weight_bytes / tp,
             "kv_bytes_per_token_per_device": cap.kv_bytes_per_token / tp,
@@ -67,7 +68,8 @@ def report(build: Build, model: ModelConfig, config: EngineConfig) -> dict:
         for b in buckets:
             if b["padded_tokens"] == b["padded_seqs"]:
                 point = capacity_tool.decode_step(model, cap.device, itemsize, b["padded_seqs"],
-                                                  build.max_model_len / 2, tp)
+                                                  build.max_model_len / 2, tp, config.quantization,
+                                                  config.kv_cache_dtype)
                 b["capacity_decode_tok_s"] = point.aggregate_tok_s
     return {
         "target": build.target, "platform": build.platform, "model": model.name,
@@ -172,7 +174,7 @@ def define_flags() -> None:
                       "once); about doubles the compile time.")
     flags.DEFINE_string("output_json", "", "Write the report here.")
     flags.DEFINE_string("quantization", None, "Weights quantized at load: int8 | fp8 (models/quant.py).")
-    flags.DEFINE_string("kv_cache_dtype", "auto", "auto | int8 | fp8_e4m3 (the xla attention backend only).")
+    flags.DEFINE_string("kv_cache_dtype", "auto", "auto | int8 | fp8_e4m3 (an 8-bit cache with a scale per token and kv head).")
     flags.DEFINE_string("save_executables", "", "Write every compiled step and a manifest here, "
                         "for the server's --load_executables.")
 

@@ -5,8 +5,11 @@
 
 1. The model's shape comes from its config alone (`random:<preset>`: models/config.py's presets;
    "default", a GGUF file, a HF folder or a jaxserve checkpoint: its metadata, no weights loaded).
-2. Memory: weight bytes = parameters x the dtype's size; KV bytes per token from
-   `ModelConfig.kv_bytes_per_token` (2 x layers x KV heads x head_dim x size). The KV budget is
+2. Memory: weight bytes = parameters x the dtype's size, or with `quantization` (int8, fp8) the
+   quantized matrices at 1 byte plus a float32 scale per output row; KV bytes per token
+   2 x layers x KV heads x head_dim x size, or with an 8-bit `kv_cache_dtype` (int8, fp8_e4m3)
+   head_dim bytes plus a bfloat16 scale per token and KV head (experiments/lab/capacity_bytes.py,
+   the same bytes the engine allocates). The KV budget is
    what the engine would give the cache (engine/step/kv_cache.py): on an accelerator
    `kv_cache_memory_fraction` of the memory JAX may use (`memory_fraction` of HBM: 0.75 on a GPU,
    JAX's default preallocation) less the weights; on the CPU the `kv_cache_bytes` budget.
@@ -20,7 +23,8 @@
    prompt + output / 2): time = max(bytes / bandwidth, flops / peak) with
    bytes = streamed weights + B x c x KV bytes per token, and
    flops = B x (2 x matmul parameters + 4 x layers x heads x head_dim x c) (projections and the
-   two attention products). Per-user rate = 1 / time; aggregate = B / time. With tensor
+   two attention products). Quantized weights and an 8-bit cache change the bytes, not the flops
+   (the products dequantize, or quantize activations, at the model dtype's peak). Per-user rate = 1 / time; aggregate = B / time. With tensor
    parallelism bytes, flops, bandwidth and peak all divide across the chips (communication is
    ignored).
 5. The crossover is the batch where flops / peak overtakes bytes / bandwidth. KV reads grow with
@@ -35,7 +39,8 @@ Where it lives: steps 1-5 (`capacity()`), the comparison with a measured concurr
 (`compare_with_measured`) and the command line are here; the device figures (`DEVICES`, and
 `device_from_probe` for this machine) are in experiments/lab/capacity_devices.py; the report
 (`CapacityReport`, `DecodePoint`) and its text and plot (`format_report`, `plot`) are in
-experiments/lab/capacity_report.py. Every name is importable from this module (the notebook's
+experiments/lab/capacity_report.py; bytes per weight and per KV token by dtype in
+experiments/lab/capacity_bytes.py. Every name is importable from this module (the notebook's
 `from experiments import capacity`).
 """
 
@@ -51,6 +56,13 @@ from collections.abc import Sequence
 from absl import app, flags
 
 from engine.config import EngineConfig
+from experiments.lab.capacity_bytes import (
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
+    kv_bytes_per_token,
+    untied_embedding_bytes,
+    weight_bytes,
+)
 from experiments.lab.capacity_devices import DEVICES, GB, DeviceSpec, device_from_probe, device_spec
 from experiments.lab.capacity_report import CapacityReport, DecodePoint, format_report, plot
 from experiments.lab.device_probe import Probe, measure_device
@@ -61,11 +73,11 @@ ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 __all__ = [
-    "DEVICES", "DTYPE_BYTES", "ENGINE_DEFAULTS", "GB", "CapacityReport", "DecodePoint", "DeviceSpec",
-    "Probe", "blocks_for", "capacity", "kv_bytes_held", "compare_with_measured", "crossover_batch", "decode_step",
-    "define_flags", "device_from_probe", "device_spec", "format_report", "kv_budget_bytes", "main",
-    "matmul_params", "measure_device", "measured_from_sweep", "model_config_for", "plot",
-    "requests_that_fit",
+    "DEVICES", "DTYPE_BYTES", "ENGINE_DEFAULTS", "GB", "KV_CACHE_DTYPES", "QUANTIZATIONS", "CapacityReport",
+    "DecodePoint", "DeviceSpec", "Probe", "blocks_for", "capacity", "compare_with_measured", "crossover_batch",
+    "decode_step", "define_flags", "device_from_probe", "device_spec", "format_report", "kv_budget_bytes",
+    "kv_bytes_held", "kv_bytes_per_token", "main", "matmul_params", "measure_device", "measured_from_sweep",
+    "model_config_for", "plot", "requests_that_fit", "weight_bytes",
 ]
 
 
@@ -99,10 +111,11 @@ def matmul_params(config: ModelConfig) -> int:
 
 
 def decode_step(config: ModelConfig, device: DeviceSpec, itemsize: int, batch: int,
-                context_len: float, tensor_parallel_size: int = 1) -> DecodePoint:
+                context_len: float, tensor_parallel_size: int = 1, quantization: str | None = None,
+                kv_cache_dtype: str = "auto") -> DecodePoint:
     """One decode step of `batch` requests that each attend over `context_len` tokens."""
-    weights = matmul_params(config) * itemsize
-    kv = batch * context_len * config.kv_bytes_per_token(itemsize)
+    weights = weight_bytes(config, itemsize, quantization) - untied_embedding_bytes(config, itemsize, quantization)
+    kv = batch * context_len * kv_bytes_per_token(config, itemsize, kv_cache_dtype)
     attention_flops = 4 * config.num_layers * config.num_heads * config.head_dim * context_len
     flops = batch * (2 * matmul_params(config) + attention_flops)
     memory_s = (weights + kv) / (tensor_parallel_size * device.bandwidth)
@@ -112,11 +125,13 @@ def decode_step(config: ModelConfig, device: DeviceSpec, itemsize: int, batch: i
 
 
 def crossover_batch(config: ModelConfig, device: DeviceSpec, itemsize: int,
-                    context_len: float) -> float | None:
+                    context_len: float, quantization: str | None = None,
+                    kv_cache_dtype: str = "auto") -> float | None:
     """The batch where compute time overtakes memory time (tensor parallelism cancels out);
     None when KV reads grow at least as fast as flops, so decode never becomes compute-bound."""
-    one = decode_step(config, device, itemsize, 1, context_len)
-    weights_s = matmul_params(config) * itemsize / device.bandwidth
+    one = decode_step(config, device, itemsize, 1, context_len, quantization=quantization,
+                      kv_cache_dtype=kv_cache_dtype)
+    weights_s = one.memory_s - context_len * kv_bytes_per_token(config, itemsize, kv_cache_dtype) / device.bandwidth
     kv_s_per_request = one.memory_s - weights_s
     slope = one.compute_s - kv_s_per_request
     return weights_s / slope if slope > 0 else None
@@ -127,12 +142,13 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 def kv_bytes_held(config: ModelConfig, num_tokens: int, itemsize: int, block_size: int,
-                  sliding_groups: bool = True) -> int:
+                  sliding_groups: bool = True, kv_cache_dtype: str = "auto") -> int:
     """KV bytes one request of num_tokens holds between steps: every layer's blocks with one group;
     with a group per layer kind (sliding_groups, a model mixing windows) the sliding layers hold
-    only the blocks their window reads (scheduler/sliding_window.py)."""
+    only the blocks their window reads (scheduler/sliding_window.py). An 8-bit cache counts its
+    values and scales (kv_bytes_per_token)."""
     blocks = blocks_for(num_tokens, block_size)
-    per_layer_block = 2 * block_size * config.num_kv_heads * config.head_dim * itemsize
+    per_layer_block = block_size * kv_bytes_per_token(config, itemsize, kv_cache_dtype) // config.num_layers
     if not (sliding_groups and config.has_sliding_layers):
         return blocks * config.num_layers * per_layer_block
     window_blocks = min(blocks, blocks_for(config.sliding_window - 1, block_size) + 1)
@@ -178,8 +194,11 @@ def capacity(model: str | ModelConfig, device: str | DeviceSpec = "h200", *, dty
              block_size: int = ENGINE_DEFAULTS["block_size"],
              kv_cache_memory_fraction: float = ENGINE_DEFAULTS["kv_cache_memory_fraction"],
              kv_cache_bytes: int = ENGINE_DEFAULTS["kv_cache_bytes"],
-             batches: Sequence[int] | None = None, slo_itl_ms: float | None = None) -> CapacityReport:
-    """The calculator as a function (the notebook's entry); see the module docstring."""
+             batches: Sequence[int] | None = None, slo_itl_ms: float | None = None,
+             quantization: str | None = None, kv_cache_dtype: str = "auto") -> CapacityReport:
+    """The calculator as a function (the notebook's entry); see the module docstring.
+    quantization (None | "int8" | "fp8") and kv_cache_dtype ("auto" | "int8" | "fp8_e4m3") are
+    the engine's knobs of the same names."""
     config = model_config_for(model) if isinstance(model, str) else model
     spec = device_spec(device) if isinstance(device, str) else device
     if spec.bandwidth <= 0 or spec.peak_flops <= 0:
@@ -191,24 +210,26 @@ def capacity(model: str | ModelConfig, device: str | DeviceSpec = "h200", *, dty
     prompt_len = max_model_len - output_len if prompt_len is None else prompt_len
     if prompt_len < 1 or output_len < 1:
         raise ValueError(f"prompt_len and output_len must be >= 1, got {prompt_len}, {output_len}")
-    weight_bytes = config.num_params * itemsize
-    kvb = config.kv_bytes_per_token(itemsize)
-    budget = kv_budget_bytes(spec, weight_bytes, tensor_parallel_size, kv_cache_memory_fraction,
+    weights = weight_bytes(config, itemsize, quantization)
+    kvb = kv_bytes_per_token(config, itemsize, kv_cache_dtype)
+    budget = kv_budget_bytes(spec, weights, tensor_parallel_size, kv_cache_memory_fraction,
                              kv_cache_bytes)
     num_blocks = max(0, int(budget // (block_size * kvb)))
     total = prompt_len + output_len
     fit_paged = fit_one_group = requests_that_fit(num_blocks, [total], block_size, max_model_len, "paged")
     if config.has_sliding_layers:  # sliding accounting: the sliding layers hold their window only
-        fit_paged = int(budget // kv_bytes_held(config, min(total, max_model_len), itemsize, block_size))
+        fit_paged = int(budget // kv_bytes_held(config, min(total, max_model_len), itemsize, block_size,
+                                                kv_cache_dtype=kv_cache_dtype))
     fit_contiguous = requests_that_fit(num_blocks, [total], block_size, max_model_len, "contiguous")
     context_len = prompt_len + output_len / 2
-    cross = crossover_batch(config, spec, itemsize, context_len)
+    quant = dict(quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+    cross = crossover_batch(config, spec, itemsize, context_len, **quant)
     if batches is None:
         top = max(fit_paged, 1, 2 * math.ceil(cross) if cross else 1)
         batches = [2**i for i in range(int(math.log2(min(top, 4096))) + 1)]
         if fit_paged > batches[-1] and fit_paged <= 4096:
             batches.append(fit_paged)
-    decode = [decode_step(config, spec, itemsize, b, context_len, tensor_parallel_size)
+    decode = [decode_step(config, spec, itemsize, b, context_len, tensor_parallel_size, **quant)
               for b in sorted(set(batches))]
     slo_batch = None
     if slo_itl_ms is not None:
@@ -217,13 +238,13 @@ def capacity(model: str | ModelConfig, device: str | DeviceSpec = "h200", *, dty
     return CapacityReport(
         model=config.name, device=spec, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
         max_model_len=max_model_len, prompt_len=prompt_len, output_len=output_len,
-        block_size=block_size, num_params=config.num_params, weight_bytes=weight_bytes,
+        block_size=block_size, num_params=config.num_params, weight_bytes=weights,
         kv_bytes_per_token=kvb, kv_budget_bytes=budget,
         kv_cache_memory_fraction=kv_cache_memory_fraction, num_blocks=num_blocks,
         fit_paged=fit_paged, fit_contiguous=fit_contiguous, context_len=context_len,
         fit_paged_one_group=fit_one_group,
-        crossover_batch=cross, crossover_batch_no_kv=crossover_batch(config, spec, itemsize, 0),
-        decode=decode, slo_itl_ms=slo_itl_ms, slo_batch=slo_batch)
+        crossover_batch=cross, crossover_batch_no_kv=crossover_batch(config, spec, itemsize, 0, **quant),
+        decode=decode, slo_itl_ms=slo_itl_ms, slo_batch=slo_batch, **quant)
 
 
 # ---------------------------------------------------------------- against a measured sweep
@@ -290,6 +311,10 @@ def define_flags() -> None:
                       "on the CPU, bfloat16 on accelerators (as the engine).")
     flags.DEFINE_enum("device", "h200", list(DEVICES), "Device figures to use.")
     flags.DEFINE_integer("tensor_parallel_size", 1, "Chips the model is sharded over.")
+    flags.DEFINE_enum("quantization", None, [q for q in QUANTIZATIONS if q], "Weights quantized "
+                      "per output row (EngineConfig.quantization); default: none.")
+    flags.DEFINE_enum("kv_cache_dtype", "auto", list(KV_CACHE_DTYPES), "The KV cache's dtype "
+                      "(EngineConfig.kv_cache_dtype): auto is the model dtype.")
     flags.DEFINE_integer("max_model_len", None, "Contiguous reservation per request; default: "
                          "min(model context, 4096), as the engine.")
     flags.DEFINE_integer("prompt_len", None, "Prompt tokens; default: max_model_len - output_len.")
@@ -335,7 +360,8 @@ def main(argv: Sequence[str]) -> None:
         fv.model, device_spec(fv.device, **overrides), dtype=fv.dtype,
         tensor_parallel_size=fv.tensor_parallel_size, max_model_len=fv.max_model_len,
         prompt_len=fv.prompt_len, output_len=fv.output_len, block_size=fv.block_size,
-        kv_cache_memory_fraction=fv.kv_cache_memory_fraction, slo_itl_ms=fv.slo_itl_ms)
+        kv_cache_memory_fraction=fv.kv_cache_memory_fraction, slo_itl_ms=fv.slo_itl_ms,
+        quantization=fv.quantization, kv_cache_dtype=fv.kv_cache_dtype)
     print(format_report(report), end="")
     if fv.plot:
         import matplotlib

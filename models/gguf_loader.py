@@ -8,6 +8,12 @@ unpermuted. A layer's tensors are those its config implies (`layer_tensors`): q/
 norms hold 1 + w, models/gguf_config.py), the router and stacked experts (ffn_gate_inp,
 ffn_{gate,up,down}_exps [E, out, in]) instead of the MLP; a tensor left over is an error. Every
 problem raises an error that names the file and what is wrong with it.
+
+`native_blocks=True` keeps the tables (token_embd, an untied output) that the file stores as Q8_0
+in that format: a models/quant.QuantizedWeight of int8 values [rows, cols] and one float32 scale
+per 32 values [rows, cols / 32] (each block's float16 d), read from the raw bytes (34 per block:
+d, then 32 int8) with no float copy made; the products and lookups dequantize inside. Other
+tensors (the layers' matrices: the default model's are Q4_1) are still dequantized to `dtype`.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from models.gguf_config import config_from_gguf
+from models.quant import QuantizedWeight
 from models.weights import layer_from_matrices, to_device, unpermute_rows
 
 # Tensor types we dequantize (all through gguf.quants, which is numpy-vectorized).
@@ -72,6 +79,12 @@ def meta_arch(reader) -> str | None:
     return None if field is None else field.contents()
 
 
+def _to_device_array(x):
+    import jax.numpy as jnp
+
+    return jnp.asarray(x)
+
+
 def _dequantize(path: str, tensor) -> np.ndarray:
     from gguf import quants
 
@@ -92,6 +105,22 @@ def _dequantize(path: str, tensor) -> np.ndarray:
     return arr.reshape(expected)
 
 
+Q8_0_BLOCK, Q8_0_BYTES = 32, 34  # values per block; bytes per block (float16 d, 32 x int8)
+
+
+def q8_0_weight(path: str, tensor, dtype: str) -> QuantizedWeight:
+    """A Q8_0 tensor [rows, cols] as int8 values and float32 block scales [rows, cols / 32]."""
+    rows, cols = (int(n) for n in reversed(tensor.shape))
+    raw = np.asarray(tensor.data).reshape(-1)
+    if cols % Q8_0_BLOCK or raw.size != rows * cols // Q8_0_BLOCK * Q8_0_BYTES:
+        raise ValueError(f"{path}: Q8_0 tensor {tensor.name} holds {raw.size} bytes, expected "
+                         f"{rows * cols // Q8_0_BLOCK * Q8_0_BYTES} for [{rows}, {cols}]")
+    blocks = raw.view(np.uint8).reshape(rows, cols // Q8_0_BLOCK, Q8_0_BYTES)
+    scale = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0].astype(np.float32)
+    q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(rows, cols)
+    return QuantizedWeight(q, scale, dtype_name=dtype, block=Q8_0_BLOCK)
+
+
 def gguf_config(path: str, reader):
     """The file's ModelConfig (metadata, plus the rope_freqs tensor where llama3 scaling is baked
     in); errors name the file."""
@@ -106,8 +135,9 @@ def gguf_config(path: str, reader):
 
 
 def load_gguf(path: str | os.PathLike, *, dtype: str = "float32", progress: bool = True,
-              host: bool = False):
-    """Returns (ModelConfig, params, reader); params are on the default device in `dtype`."""
+              host: bool = False, native_blocks: bool = False):
+    """Returns (ModelConfig, params, reader); params are on the default device in `dtype`.
+    native_blocks: Q8_0 tables stay Q8_0 (module docstring)."""
     path = os.fspath(path)
     reader = open_gguf(path)
     tensors = {t.name: t for t in reader.tensors}
@@ -138,9 +168,19 @@ def load_gguf(path: str | os.PathLike, *, dtype: str = "float32", progress: bool
                 if key in m:
                     m[key] = unpermute_rows(m[key], heads)
         layers.append(to_device(layer_from_matrices(config, m, f"{path}: layer {i}"), dtype, host=host))
-    params = {"embed": get("token_embd.weight"), "final_norm": get("output_norm.weight")}
+    native = {}  # Q8_0 tables kept as they are (native_blocks)
+
+    def table(name: str, key: str):
+        if native_blocks and name in tensors and tensors[name].tensor_type.name == "Q8_0":
+            native[key] = q8_0_weight(path, tensors[name], dtype)
+            return native[key]
+        return get(name)
+
+    params = {"embed": table("token_embd.weight", "embed"), "final_norm": get("output_norm.weight")}
     if not config.tie_word_embeddings:
-        params["lm_head"] = get("output.weight").T
+        out = table("output.weight", "output_proj")  # served out-major: [vocab, hidden]
+        if not isinstance(out, QuantizedWeight):
+            params["lm_head"] = out.T
     used = {"token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight"}
     used.update(f"blk.{i}.{suffix}" for i in range(config.num_layers) for suffix in suffixes)
     left = sorted(set(tensors) - used)
@@ -150,7 +190,10 @@ def load_gguf(path: str | os.PathLike, *, dtype: str = "float32", progress: bool
     embed_shape = (config.vocab_size, config.hidden_size)
     if params["embed"].shape != embed_shape:
         raise ValueError(f"{path}: token_embd.weight has shape {params['embed'].shape}, expected {embed_shape}")
-    params = to_device(params, dtype, host=host)
+    params = to_device({k: v for k, v in params.items() if k not in native}, dtype, host=host)
+    place = np.asarray if host else _to_device_array
+    params.update({k: QuantizedWeight(place(w.q), place(w.scale), w.dtype_name, block=w.block)
+                   for k, w in native.items()})
     params["layers"] = layers
     bar.close()
     return config, params, reader

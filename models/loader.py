@@ -42,12 +42,17 @@ def resolve_model_path(spec: str) -> str:
 
 def load_model(spec: str = "default", *, dtype: str = "float32", seed: int = 0,
                tokenizer: str | None = None, cache_dir: str | None = None,
-               progress: bool = True, host: bool = False) -> LoadedModel:
+               progress: bool = True, host: bool = False, native_blocks: bool = False) -> LoadedModel:
     """host=True: weights stay in host memory (numpy) where the source allows it (GGUF, HF,
-    random), for an engine that places them shard by shard on a mesh."""
+    random), for an engine that places them shard by shard on a mesh. native_blocks: a GGUF's
+    Q8_0 tables stay in their blocks (models/gguf_loader.py; EngineConfig.quantization="gguf"):
+    a GGUF file only, and the weights cache (float conversions) is not used."""
     from text.tokenizer import load_tokenizer, tokenizer_from_gguf
 
     start = time.perf_counter()
+    if native_blocks and (spec.startswith("random:") or os.path.isdir(resolve_model_path(spec))):
+        raise ValueError(f"quantization='gguf' serves a GGUF file's own Q8_0 blocks; {spec!r} is not a "
+                         "GGUF file (use quantization='int8' or 'fp8' to quantize at load)")
     if spec.startswith("random:"):
         config = preset_config(spec.split(":", 1)[1])
         params = random_params(config, seed=seed, dtype=dtype, host=host)
@@ -64,12 +69,13 @@ def load_model(spec: str = "default", *, dtype: str = "float32", seed: int = 0,
         config, params = load_hf_folder(path, dtype=dtype, progress=progress, host=host)
         tok = load_tokenizer(tokenizer or path)
         return LoadedModel(config, params, tok, path, time.perf_counter() - start)
-    cached = _cache_folder(cache_dir, path, dtype) if cache_dir else None
+    cached = _cache_folder(cache_dir, path, dtype) if cache_dir and not native_blocks else None
     if cached and is_checkpoint(cached):
         config, params, tok_source = load_checkpoint(cached)
         tok = _tokenizer_for(tokenizer, tok_source, cached)
         return LoadedModel(config, params, tok, path, time.perf_counter() - start, from_cache=True)
-    config, params, reader = load_gguf(path, dtype=dtype, progress=progress, host=host)
+    config, params, reader = load_gguf(path, dtype=dtype, progress=progress, host=host,
+                                       native_blocks=native_blocks)
     tok = load_tokenizer(tokenizer) if tokenizer else tokenizer_from_gguf(reader, path)
     if cached:
         save_checkpoint(cached, config, params, tokenizer_source=path)

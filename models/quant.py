@@ -30,6 +30,11 @@ layers, [E, o, i] for experts.
    The engine sets it per platform from measurement (engine/config.py QUANT_ACTIVATION_ROWS,
    BUILD_NOTES.md "Quantization").
 4. The embedding lookup (`rows`) gathers quantized rows (fp8 as its bits) and their scales.
+5. Block scales (`block` B): int8 q [o, i] with one scale per B input channels of a row,
+   scale [o, i / B]: GGUF's Q8_0 (B = 32) as the file stores it (models/gguf_loader.py
+   `native_blocks`), no float copy made. Its products are weight-only: the weight is dequantized
+   inside the product (q times its block scales, converted in the dot's operand); lookups
+   dequantize the rows gathered.
 
 `QuantizedWeight.dtype` is the float dtype the weight stands for (the model's dtype, what the
 products return to and what a dequantized copy would be), so code that asks a weight for the
@@ -72,6 +77,9 @@ class QuantizedWeight:
     activation_rows: int | None = dataclasses.field(metadata=dict(static=True), default=None)
     # Activation scales per this many input channels of a row (None: one per row); must divide i.
     activation_group: int | None = dataclasses.field(metadata=dict(static=True), default=None)
+    # Scales per this many input channels of a row ([..., o, i / block]; GGUF Q8_0: 32), or None:
+    # one per row. Block-scaled weights are weight-only (module docstring, 5.).
+    block: int | None = dataclasses.field(metadata=dict(static=True), default=None)
 
     @property
     def dtype(self):
@@ -91,10 +99,17 @@ class QuantizedWeight:
         return "int8" if self.q.dtype == jnp.int8 else "fp8"
 
     def dequantize(self) -> jax.Array:
-        return (self.q.astype(jnp.float32) * self.scale[..., None]).astype(self.dtype)
+        return self._scaled(self.q, self.scale).astype(self.dtype)
+
+    def _scaled(self, q, scale):
+        """q [..., i] times its scales (per row [...], or per block [..., i / block]), float32."""
+        if self.block is None:
+            return q.astype(jnp.float32) * scale[..., None]
+        blocks = q.astype(jnp.float32).reshape(*q.shape[:-1], -1, self.block) * scale[..., None]
+        return blocks.reshape(q.shape)
 
     def quantizes_activations(self, num_rows: int) -> bool:
-        return self.activation_rows is not None and num_rows >= self.activation_rows
+        return self.block is None and self.activation_rows is not None and num_rows >= self.activation_rows
 
     def product(self, spec: str, x: jax.Array) -> jax.Array:
         """x [t, i] times this [o, i] weight -> float32 [t, o]; spec is the served layout's
@@ -115,6 +130,9 @@ class QuantizedWeight:
             acc = jnp.int32 if self.method == "int8" else jnp.float32
             y = jax.lax.dot_general(xq, self.q, (((1,), (1,)), ((), ())), preferred_element_type=acc)
             return y[:rows].astype(jnp.float32) * sx * self.scale[None, :]
+        if self.block is not None:  # dequantized inside the product (block scales along i)
+            x = x.astype(self.dtype)
+            return jnp.dot(x, self.dequantize().T, preferred_element_type=jnp.float32)
         # Written as x . (q^T converted): XLA:CPU then fuses the transpose and the convert into
         # the product's loop and reads the int8 weight once (the same product contracted on q's
         # last axis converted the whole weight to float first: 5x slower at one row).
@@ -157,6 +175,8 @@ class QuantizedWeight:
         else:
             bits = jax.lax.bitcast_convert_type(self.q, jnp.uint8)[ids]
             rows = jax.lax.bitcast_convert_type(bits, self.q.dtype).astype(jnp.float32)
+        if self.block is not None:
+            return self._scaled(rows, self.scale[ids]).astype(self.dtype).astype(jnp.float32)
         return (rows * self.scale[ids][:, None]).astype(self.dtype).astype(jnp.float32)
 
 
@@ -200,6 +220,8 @@ def quantize_params(params: dict, method: str | None, *, activation_rows: int | 
     if method not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {method!r}")
     def quantize(w):
+        if isinstance(w, QuantizedWeight):  # already quantized (a GGUF's own Q8_0 table)
+            return w
         group = activation_group if activation_group and w.shape[-1] % activation_group == 0 else None
         return _quantize_jit(w, method, activation_rows, group)
 

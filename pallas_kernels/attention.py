@@ -21,7 +21,6 @@ with k_cache, v_cache [L, num_blocks, block_size, Hkv, D]: every layer reads its
 
 from pallas_kernels import metadata, validation
 from pallas_kernels.gpu import prepare_gpu, ragged_paged_attention_gpu
-from pallas_kernels.kv_quant import ScaledCache
 from pallas_kernels.tpu import prepare_tpu, ragged_paged_attention_tpu
 from pallas_kernels.xla_forms import prepare_xla, ragged_paged_attention_xla
 
@@ -122,16 +121,13 @@ def ragged_paged_attention(
 
     q [T, Hq, D]; k_cache, v_cache [L, num_blocks, block_size, Hkv, D] with layer a Python int or
     a traced int32 scalar in [0, L) (read in place, never sliced out), or the single-layer
-    [num_blocks, block_size, Hkv, D] with layer=None. md comes from prepare_attention_metadata
-    with the same backend. interpret=True runs a Pallas kernel in interpret mode (on the CPU);
+    [num_blocks, block_size, Hkv, D] with layer=None; an 8-bit cache is a kv_quant.ScaledCache
+    each (values of those shapes, scales without D), read by every backend. md comes from
+    prepare_attention_metadata with the same backend. interpret=True runs a Pallas kernel in interpret mode (on the CPU);
     "xla" ignores it. Raises ValueError naming the argument and shapes when the inputs break the
     contract. Returns [T, Hq, D] in q.dtype.
     """
     validation.check_options(sm_scale, sliding_window, soft_cap, backend)
-    if backend != "xla" and (isinstance(k_cache, ScaledCache) or isinstance(v_cache, ScaledCache)):
-        raise ValueError(f"ragged_paged_attention: backend {backend!r} does not read an 8-bit KV cache "
-                         f"({getattr(k_cache, 'kv_cache_dtype', getattr(v_cache, 'kv_cache_dtype', '?'))}) yet; "
-                         "the xla backend does (kv_quant.py)")
     options = dict(layer=layer, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     args = (q, k_cache, v_cache, md)
     if backend == "xla":

@@ -14,10 +14,14 @@ Layout
             themselves with one gathered load each.
   out       [NB, Hkv, R, D]; split-K writes [NB, Hkv, splits, R, D] plus per-row max m and sum l
             [NB, Hkv, splits, R], merged in XLA.
+  An 8-bit cache (kv_quant.ScaledCache): the values as above (int8, or uint8 holding e4m3 bits)
+            and scale rows [L * num_blocks * block_size, Hkv] (uint16: bfloat16 bits), gathered
+            at the same rows; the values are decoded to q's dtype (exact: int8 and e4m3 values are
+            bfloat16 numbers) and the scales applied to the scores (K) and to P (V).
   Row chunks: a program takes C rows of its block's R (C = R unless Triton's tiles of R rows would
-            not fit the shared memory of sm_80 and sm_90, `row_chunk`: C halves until they do),
-            so a large block (block_q x Gp rows, float32) still compiles; the chunks of a block
-            read the same pages.
+            not fit the shared memory of sm_80 and sm_90, `row_chunk` in gpu_tiles.py: C halves
+            until they do), so a large block (block_q x Gp rows, float32) still compiles; the
+            chunks of a block read the same pages.
   Metadata (global memory, from AttentionMetadata, prepared once per step by `prepare_gpu`):
   block tables [S, max_blocks_per_seq padded to pages_per_step], and per query block its
   sequence, real rows, kv position of row 0, page range [lo, hi). block_q, pages_per_step and the
@@ -27,8 +31,9 @@ Walkthrough (grid = (NB, Hkv * R / C, splits); one program per query block, kv h
 and kv split)
   1. Read the block's metadata; this split covers steps [start, end) of the block's page range.
   2. For each step: gather page ids and then K, V rows [K = pages_per_step * block_size, D];
-     scores [R, K] = q . k^T * sm_scale in float32; soft cap; mask (causal by position, window,
-     never past the block's last real position); online softmax carried in registers (m, l, acc).
+     scores [R, K] = q . k^T * sm_scale in float32 (8-bit: times each kv row's K scale); soft
+     cap; mask (causal by position, window, never past the block's last real position); online
+     softmax carried in registers (m, l, acc); acc += (P, 8-bit: times each row's V scale) . v.
   3. Write acc / l (zero where nothing was seen); split-K also writes m and l, and XLA merges the
      splits: out = sum_s l_s e^(m_s - M) o_s / sum_s l_s e^(m_s - M).
 """
@@ -41,13 +46,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import metadata, validation
+from pallas_kernels import kv_quant, metadata, validation
+from pallas_kernels.gpu_tiles import (  # noqa: F401 (SHARED_MEMORY_LIMITS, shared_memory_bytes: this module's API too)
+    _MIN_ROWS,
+    SHARED_MEMORY_LIMITS,
+    row_chunk,
+    row_chunk_or_refuse,
+    shared_memory_bytes,
+)
 
-_MIN_ROWS = 16  # Triton's dot wants every dimension >= 16
-# Shared memory one program may use (the per-block opt-in limit) on the GPUs the kernel is
-# compiled for: sm_80 (A100, 163 KiB) and sm_90 (H100, H200, 227 KiB). Consumer Ampere and Ada
-# cards (sm_86, sm_89) have 99 KiB: their largest tiles would need a smaller block_q.
-SHARED_MEMORY_LIMITS = {"sm_80": 166_912, "sm_90": 232_448}
 _TARGET_PROGRAMS = 256  # split-K fills roughly this many programs (about 2 per SM on an H100)
 _MAX_SPLITS = 16
 
@@ -67,8 +74,9 @@ def _gpu_kernel(
     q_ref,  # [C, D] this program's queries (block b, kv head h, row chunk c)
     k_ref,  # [L * num_blocks * block_size, Hkv, D] all layers' K rows
     v_ref,  # [L * num_blocks * block_size, Hkv, D] all layers' V rows
-    o_ref,  # [C, D] output rows (of split s under split-K)
-    *stat_refs,  # split-K only: m_ref f32[C], l_ref f32[C]
+    *refs,  # 8-bit cache only: ks_ref, vs_ref uint16 [L * num_blocks * block_size, Hkv] their
+    #         scales; then o_ref [C, D] output rows (of split s under split-K), and split-K only:
+    #         m_ref f32[C], l_ref f32[C]
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
@@ -79,7 +87,10 @@ def _gpu_kernel(
     num_splits: int,
     row_chunks: int,
     precision,
+    kv_cache_dtype: str | None,  # None: a float cache; "int8" | "fp8_e4m3": an 8-bit one
 ):
+    scaled = kv_cache_dtype is not None
+    ks_ref, vs_ref, o_ref, *stat_refs = refs if scaled else (None, None, *refs)
     rows, head_dim = q_ref.shape  # C rows of the block's R = C * row_chunks
     b = pl.program_id(0)
     if row_chunks == 1:
@@ -112,10 +123,15 @@ def _gpu_kernel(
         kv_rows = row_base + page_ids * block_size + offset  # [K] rows of this layer's pages
         k = k_ref[kv_rows, h, :]  # [K, D]
         v = v_ref[kv_rows, h, :]  # [K, D]
+        if scaled:  # decoded to q's dtype exactly; the scales [K] apply to scores and P
+            k, v = (kv_quant.values_to_float32(x, kv_cache_dtype).astype(q.dtype) for x in (k, v))
+            k_scale, v_scale = (kv_quant.scales_to_float32(r[kv_rows, h]) for r in (ks_ref, vs_ref))
         s = lax.dot_general(
             q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
         )
         s = s * sm_scale  # [C, K]
+        if scaled:
+            s = s * k_scale[None, :]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         kv_pos = (i * kv_step + col)[None, :]  # [1, K]
@@ -129,7 +145,7 @@ def _gpu_kernel(
         alpha = jnp.exp(m - m_safe)
         denom = alpha * denom + jnp.sum(p, axis=1)
         pv = lax.dot_general(
-            p.astype(v.dtype),
+            (p * v_scale[None, :] if scaled else p).astype(v.dtype),
             v,
             (((1,), (0,)), ((), ())),
             precision=precision,
@@ -151,21 +167,22 @@ def _gpu_kernel(
 
 
 def _gpu_pallas_call(
-    scalars, q_blocks, k_rows, v_rows, *, num_splits, row_chunk, interpret, **static
+    scalars, q_blocks, k_rows, v_rows, scale_rows=(), *, num_splits, chunk_rows, interpret, **static
 ):
-    """pallas_call over grid (NB, Hkv * R / row_chunk, num_splits); returns out or (out, m, l)
+    """pallas_call over grid (NB, Hkv * R / chunk_rows, num_splits); returns out or (out, m, l)
     for split-K.
 
-    scalars = (layer, tables, seq, q_len, pos, lo, hi); k_rows, v_rows [L * nb * bs, Hkv, D].
+    scalars = (layer, tables, seq, q_len, pos, lo, hi); k_rows, v_rows [L * nb * bs, Hkv, D];
+    scale_rows: an 8-bit cache's (k, v) scales [L * nb * bs, Hkv], else ().
     """
     nb, num_kv_heads, rows, head_dim = q_blocks.shape
-    chunks = rows // row_chunk
+    chunks = rows // chunk_rows
     whole = pl.BlockSpec()  # the whole array: metadata and the paged cache
     if chunks == 1:
         index = lambda b, h, s: (b, h, 0)
     else:  # grid axis 1 is kv head * chunks + chunk
         index = lambda b, hc, s: (b, hc // chunks, hc % chunks)
-    q_spec = pl.BlockSpec((None, None, row_chunk, head_dim), lambda b, h, s: (*index(b, h, s), 0))
+    q_spec = pl.BlockSpec((None, None, chunk_rows, head_dim), lambda b, h, s: (*index(b, h, s), 0))
     if num_splits == 1:
         out_shape = jax.ShapeDtypeStruct(q_blocks.shape, q_blocks.dtype)
         out_specs = q_spec
@@ -183,57 +200,21 @@ def _gpu_pallas_call(
         )
         out_specs = (
             pl.BlockSpec(
-                (None, None, None, row_chunk, head_dim), lambda b, h, s: (*split_index(b, h, s), 0)
+                (None, None, None, chunk_rows, head_dim), lambda b, h, s: (*split_index(b, h, s), 0)
             ),
-            pl.BlockSpec((None, None, None, row_chunk), split_index),
-            pl.BlockSpec((None, None, None, row_chunk), split_index),
+            pl.BlockSpec((None, None, None, chunk_rows), split_index),
+            pl.BlockSpec((None, None, None, chunk_rows), split_index),
         )
     return pl.pallas_call(
         functools.partial(_gpu_kernel, num_splits=num_splits, row_chunks=chunks, **static),
         grid=(nb, num_kv_heads * chunks, num_splits),
-        in_specs=[whole] * len(scalars) + [q_spec, whole, whole],
+        in_specs=[whole] * len(scalars) + [q_spec] + [whole] * (2 + len(scale_rows)),
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="ragged_paged_attention_gpu",
-    )(*scalars, q_blocks, k_rows, v_rows)
-
-
-def shared_memory_bytes(
-    arch: str, rows: int, kv_rows: int, head_dim: int, itemsize: int, full_precision: bool
-) -> int:
-    """Shared memory Triton asks for one program of the kernel on `arch` ("sm_80" | "sm_90").
-
-    The tiles staged there: q [rows, D] and the step's K and V [kv_rows, D]; sm_90's 16-bit dots
-    (wgmma) keep two stages of K and V; float32 dots at full precision (no tensor cores) stage
-    P [rows, kv_rows] as well. This is what the compilers requested in their refusals (to within
-    1 KiB, which is added): bf16 D 128, 512 x 128 rows: 197,120 B (sm_80) and 262,656 B (sm_90);
-    float32 D 64, 256 x 128 rows: 263,168 B on both (tests/pallas_kernels/test_device_compile.py).
-    """
-    stages = 2 if arch == "sm_90" and not full_precision else 1
-    elements = rows * head_dim + 2 * stages * kv_rows * head_dim
-    if full_precision:
-        elements += rows * kv_rows
-    return itemsize * elements + 1024
-
-
-def row_chunk(rows: int, kv_rows: int, head_dim: int, itemsize: int, full_precision: bool):
-    """Rows per program: R, halved until the tiles fit every SHARED_MEMORY_LIMITS arch; None when
-    not even _MIN_ROWS rows fit (the kv step itself is too large)."""
-
-    def fits(c):
-        return all(
-            shared_memory_bytes(arch, c, kv_rows, head_dim, itemsize, full_precision) <= limit
-            for arch, limit in SHARED_MEMORY_LIMITS.items()
-        )
-
-    chunk = rows
-    while not fits(chunk):
-        if chunk <= _MIN_ROWS or chunk % 2:
-            return None
-        chunk //= 2
-    return chunk
+    )(*scalars, q_blocks, k_rows, v_rows, *scale_rows)
 
 
 def _merge_splits(out, m, denom, dtype):
@@ -319,10 +300,13 @@ def ragged_paged_attention_gpu(
     """One layer of the Triton kernel: validates shapes (ValueError), returns [T, Hq, D].
 
     k_cache, v_cache: [L, num_blocks, block_size, Hkv, D] with layer a Python int or a traced
-    int32 scalar in [0, L), or [num_blocks, block_size, Hkv, D] with layer=None.
+    int32 scalar in [0, L), or [num_blocks, block_size, Hkv, D] with layer=None; or an 8-bit
+    cache, a kv_quant.ScaledCache each (values of those shapes, scales without D).
     interpret=True runs the kernel with Pallas' generic interpreter on the CPU.
     """
-    cache = validation.check_layer_inputs(q, k_cache, v_cache, md, layer, "pallas_gpu")
+    k_cache, v_cache, scales, kv_cache_dtype = kv_quant.split_cache(k_cache, v_cache)
+    cache = validation.check_layer_inputs(q, k_cache, v_cache, md, layer, "pallas_gpu",
+                                          eight_bit=kv_cache_dtype is not None)
     validation.check_options(sm_scale, sliding_window, soft_cap, "pallas_gpu")
     validation.check_window_fits(md, sliding_window)
     _check_power_of_two(
@@ -340,33 +324,18 @@ def ragged_paged_attention_gpu(
     flat = (cache.num_layers * cache.num_blocks * bs, md.num_kv_heads, cache.head_dim)
     is_f32 = q.dtype == jnp.float32 or jnp.result_type(k_cache) == jnp.float32
     rows = md.block_q * md.group_pad
-    kv_rows = md.pages_per_step * bs
+    # An 8-bit cache's tiles are converted to q's dtype before the dots (itemsize 1 never wins).
     itemsize = max(q.dtype.itemsize, jnp.dtype(jnp.result_type(k_cache)).itemsize)
-    chunk = row_chunk(rows, kv_rows, cache.head_dim, itemsize, is_f32)
-    if chunk is None:
-        need = {
-            arch: shared_memory_bytes(arch, _MIN_ROWS, kv_rows, cache.head_dim, itemsize, is_f32)
-            for arch in SHARED_MEMORY_LIMITS
-        }
-        over = ", ".join(
-            f"{need[arch]:,} B on {arch} (limit {limit:,} B)"
-            for arch, limit in SHARED_MEMORY_LIMITS.items()
-            if need[arch] > limit
-        )
-        raise ValueError(
-            f"pallas_gpu: a kv step of pages_per_step={md.pages_per_step} x block_size={bs} = "
-            f"{kv_rows} rows of head_dim {cache.head_dim} in {jnp.dtype(q.dtype).name} needs more "
-            f"shared memory per program than the GPU has, even at {_MIN_ROWS} query rows: {over}; "
-            "lower pages_per_step (prepare_attention_metadata) or block_size "
-            f"(EngineConfig.block_size){', or use bfloat16' if is_f32 else ''}"
-        )
+    chunk = row_chunk_or_refuse(md, rows, cache.head_dim, itemsize, is_f32, q.dtype,
+                                eight_bit=kv_cache_dtype is not None)
     result = _gpu_pallas_call(
         scalars,
         q_blocks,
         jnp.reshape(k_cache, flat),
         jnp.reshape(v_cache, flat),
+        tuple(jnp.reshape(x, flat[:-1]) for x in scales),
         num_splits=md.num_kv_splits,
-        row_chunk=chunk,
+        chunk_rows=chunk,
         interpret=interpret,
         sm_scale=float(sm_scale),
         sliding_window=sliding_window,
@@ -377,6 +346,7 @@ def ragged_paged_attention_gpu(
         pages_per_step=md.pages_per_step,
         # float32 inputs: full-precision dots, not TF32.
         precision=lax.Precision.HIGHEST if is_f32 else None,
+        kv_cache_dtype=kv_cache_dtype,
     )
     if md.num_kv_splits > 1:
         result = _merge_splits(*result, q.dtype)

@@ -21,9 +21,17 @@ block's earlier tokens, or clipping them). Its cost is the scales' bytes: 2 per 
 head, 3 % of an 8-bit token of head_dim 64 (KV bytes per token 0.52x bfloat16's, blocks that fit
 1.94x; head_dim 128: 0.51x, 1.97x).
 
-Backends: the xla path reads it (xla.py PagedKV); write_kv writes it on the xla and pallas_gpu
-paths (one scatter per array). The Pallas TPU and GPU attention kernels do not read it yet: they
-refuse it by name (attention.py), and the engine refuses kv_cache_dtype != "auto" with them.
+Backends: all three read and write it. The xla path dequantizes after each page gather (xla.py
+PagedKV); write_kv scatters values and scales on the xla and pallas_gpu paths, and on pallas_tpu
+writes them with a Mosaic kernel (tpu_kv_write.py). The Pallas attention kernels copy or gather the
+8-bit pages and their scale pages and dequantize them inside the kernel (tpu.py, gpu.py) with
+`values_to_float32` and `scales_to_float32`: integer and float32 operations and same-width
+bitcasts only, so no target needs an fp8 type (Triton's float8_e4m3fn conversion aborts the
+compiler below sm_89): e4m3 is decoded from its bits.
+On a TPU this scale layout is not lane-dense: Mosaic tiles (block_size, Hkv) as (8, 128), so XLA
+keeps the scale arrays in a layout of its own and copies them into the kernels' (Hkv padded to
+128 lanes) at each step's entry and back at its exit (BUILD_NOTES.md "Quantization": measured
+with experiments.aot, and the 32-bit row-per-page layout that would avoid it).
 """
 
 from __future__ import annotations
@@ -108,6 +116,30 @@ def dequantize_kv(values: jax.Array, scale_bits: jax.Array, kv_cache_dtype: str)
     return values.astype(jnp.float32) * scale[..., None]
 
 
+def scales_to_float32(scale_bits: jax.Array) -> jax.Array:
+    """Scale bits (uint16 holding bfloat16) -> float32: a same-width bitcast, then a widening
+    (exact; also inside the Pallas kernels)."""
+    return jax.lax.bitcast_convert_type(scale_bits, jnp.bfloat16).astype(jnp.float32)
+
+
+def values_to_float32(values: jax.Array, kv_cache_dtype: str) -> jax.Array:
+    """Stored 8-bit values -> float32, exactly, with int32 and float32 operations only (the
+    kernels' decode: no fp8 type on any target). int8 widens; e4m3 bits (uint8) are decoded:
+    sign bit 7, exponent bits 3-6 (bias 7), mantissa bits 0-2; exponent 0 is subnormal,
+    mantissa * 2^-9. The NaN codes (0x7f, 0xff) are never written (quantize_kv clips to 448)."""
+    bits = values.astype(jnp.int32)
+    if kv_cache_dtype == "int8":
+        return bits.astype(jnp.float32)
+    if kv_cache_dtype != "fp8_e4m3":
+        raise ValueError(f"values_to_float32 decodes an 8-bit cache (int8, fp8_e4m3); got {kv_cache_dtype!r}")
+    magnitude = jnp.bitwise_and(bits, 0x7F)  # exponent << 3 | mantissa
+    # A normal e4m3 number as float32 bits: exponent + (127 - 7) in bits 23-30, mantissa in 20-22.
+    normal = jax.lax.bitcast_convert_type(jax.lax.shift_left(magnitude + (120 << 3), 20), jnp.float32)
+    subnormal = jnp.bitwise_and(magnitude, 7).astype(jnp.float32) * (2.0 ** -9)
+    x = jnp.where(magnitude < 8, subnormal, normal)
+    return jnp.where(bits >= 128, -x, x)
+
+
 def fake_quantize_kv(x: jax.Array, kv_cache_dtype: str) -> jax.Array:
     """x [..., Hkv, D] as an 8-bit cache would give it back (float32; "auto": unchanged): the
     dense oracle's K and V (models/llama.py forward_dense)."""
@@ -115,6 +147,15 @@ def fake_quantize_kv(x: jax.Array, kv_cache_dtype: str) -> jax.Array:
     if kv_cache_dtype == "auto":
         return x
     return dequantize_kv(*quantize_kv(x, kv_cache_dtype), kv_cache_dtype)
+
+
+def split_cache(k_cache, v_cache):
+    """(k, v, scales, kv_cache_dtype) for a kernel: an 8-bit cache's values, its (k, v) scale
+    arrays and its dtype (checked: check_scaled_pair); a float cache as it is, (), None."""
+    if isinstance(k_cache, ScaledCache) or isinstance(v_cache, ScaledCache):
+        check_scaled_pair(k_cache, v_cache)
+        return k_cache.values, v_cache.values, (k_cache.scales, v_cache.scales), k_cache.kv_cache_dtype
+    return k_cache, v_cache, (), None
 
 
 def check_scaled_pair(k_cache: ScaledCache, v_cache: ScaledCache) -> None:

@@ -25,7 +25,8 @@ float type whose bits it holds, and only their bits are stored.
 
 An 8-bit cache (kv_quant.ScaledCache for K and for V) is written by quantizing each new token's
 K and V per kv head and scattering the values and the scales (both integer arrays) at the same
-rows, on the xla and pallas_gpu paths; the TPU kernel refuses it (not written yet).
+rows, on the xla and pallas_gpu paths; on pallas_tpu the quantized values and scales are written
+by the Mosaic kernels (tpu_kv_write.write_scaled_kv_tpu).
 """
 
 import jax
@@ -65,9 +66,6 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping, layer=None, *, backend="xla",
     scaled = isinstance(k_cache, ScaledCache) or isinstance(v_cache, ScaledCache)
     if scaled:  # an 8-bit cache (kv_quant.py): values and scales, both scattered here
         check_scaled_pair(k_cache, v_cache)
-        if backend == "pallas_tpu":
-            raise ValueError(f"write_kv: an 8-bit KV cache ({k_cache.kv_cache_dtype}) is not written by "
-                             "the pallas_tpu kernel yet (kv_quant.py); use the xla attention backend")
         k, v, slot_mapping = map(jnp.asarray, (k, v, slot_mapping))
         cache = validation.check_cache(k_cache.values, v_cache.values, layer, eight_bit=True)
     else:
@@ -93,10 +91,13 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping, layer=None, *, backend="xla",
     slots = slot_mapping.astype(jnp.int32)
     rows = validation.layer_index(layer) * layer_slots + slots
     in_range = (slots >= 0) & (slots < layer_slots)
-    if backend == "pallas_tpu" and not scaled and k_cache.dtype != jnp.uint16:
-        from pallas_kernels.tpu_kv_write import write_kv_tpu
+    if backend == "pallas_tpu" and (scaled or k_cache.dtype != jnp.uint16):
+        from pallas_kernels.tpu_kv_write import write_kv_tpu, write_scaled_kv_tpu
 
         layer_arr = jnp.reshape(jnp.asarray(validation.layer_index(layer), jnp.int32), (1,))
+        if scaled:
+            return write_scaled_kv_tpu(k_cache, v_cache, k, v, jnp.where(in_range, slots, -1), layer_arr,
+                                       cache.stacked_shape, interpret=interpret)
         k_out, v_out = write_kv_tpu(validation.stacked_view(k_cache, cache), validation.stacked_view(v_cache, cache),
                                     k, v, jnp.where(in_range, slots, -1), layer_arr, interpret=interpret)
         return k_out.reshape(k_cache.shape), v_out.reshape(v_cache.shape)

@@ -8,6 +8,10 @@ Layout
             kernel copies the pages it needs, one whole page (all kv heads) per async copy from
             the HBM ref indexed in place at [layer, page]: no layer is sliced or copied out.
   out       [NB, Hkv, R, D], gathered back to [T, Hq, D] in XLA.
+  An 8-bit cache (kv_quant.ScaledCache): the values as above (int8, or uint8 holding e4m3 bits)
+            plus scale arrays [L, num_blocks, block_size, Hkv] (uint16: bfloat16 bits), also in
+            HBM; each page's scales [block_size, Hkv] are copied beside its values, and a kv
+            head's K and V are dequantized in VMEM before the two dots.
   Scalar prefetch (SMEM): the layer (int32[1]: a Python int or a traced scalar, e.g. the index
   of a lax.scan over layers), then from AttentionMetadata (prepared once per step by
   `prepare_tpu`): block tables flattened to [S * max_blocks_per_seq], and per query block its
@@ -19,6 +23,9 @@ Walkthrough (grid = (NB,), one query block per step; "parallel": steps are indep
   3. For page j in [lo, hi): start copying page j + 1 into the other slot, wait for page j, and
      for each kv head: scores [R, block_size] = q . k^T * sm_scale (float32), soft cap, mask
      (causal by position, window, never past the block's last real position), update m, l, acc.
+     With an 8-bit cache, K and V of the head are first decoded to float32 (kv_quant
+     values_to_float32), times their per-token scale (a [block_size, 1] column of the scale
+     page), in q's dtype.
   4. Write acc / l (zero where a row saw nothing: padding blocks run no page at all).
 """
 
@@ -31,7 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import metadata, validation
+from pallas_kernels import kv_quant, metadata, validation
 
 _ROW_MULTIPLE = 8  # sublanes of a TPU vreg: R = block_q * G is padded-free when a multiple of 8
 # Mosaic's default scoped VMEM limit on v5e (v6e: 32 MiB): kernels estimated under it compile with
@@ -53,25 +60,32 @@ def _tpu_kernel(
     hi_ref,  # int32[NB] one past the last page it reads
     # Inputs.
     q_ref,  # VMEM [Hkv, R, D] this block's queries
-    k_hbm,  # HBM [L, num_blocks, block_size, Hkv, D] all layers' K pages
-    v_hbm,  # HBM [L, num_blocks, block_size, Hkv, D] all layers' V pages
-    # Output.
-    o_ref,  # VMEM [Hkv, R, D]
-    # Scratch.
-    k_buf,  # VMEM [2, block_size, Hkv, D] double-buffered K page ([2, 1, block_size, D]: heads_major)
-    v_buf,  # VMEM [2, block_size, Hkv, D] double-buffered V page
-    sems,  # DMA semaphores [2 (K, V), 2 (slot)]
-    m_scr,  # VMEM f32[Hkv, R, 1] running max
-    l_scr,  # VMEM f32[Hkv, R, 1] running sum
-    acc_scr,  # VMEM f32[Hkv, R, D] running numerator
-    *,
+    *refs,  # the inputs, output and scratch below (an 8-bit cache adds its scale arrays)
+    #   k_hbm     HBM [L, num_blocks, block_size, Hkv, D] all layers' K pages
+    #   v_hbm     HBM [L, num_blocks, block_size, Hkv, D] all layers' V pages
+    #   (8-bit)   ks_hbm, vs_hbm HBM uint16 [L, num_blocks, block_size, Hkv] their scales
+    #   o_ref     VMEM [Hkv, R, D] (output)
+    #   k_buf     VMEM [2, block_size, Hkv, D] double-buffered K page ([2, 1, block_size, D]: heads_major)
+    #   v_buf     VMEM [2, block_size, Hkv, D] double-buffered V page
+    #   (8-bit)   ks_buf, vs_buf VMEM uint16 [2, block_size, Hkv] their scale pages
+    #   sems      DMA semaphores [2 (K, V) or 4 (K, V, K scales, V scales), 2 (slot)]
+    #   m_scr     VMEM f32[Hkv, R, 1] running max
+    #   l_scr     VMEM f32[Hkv, R, 1] running sum
+    #   acc_scr   VMEM f32[Hkv, R, D] running numerator
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
     group: int,
     max_blocks_per_seq: int,
     heads_major: bool,
+    kv_cache_dtype: str | None,  # None: a float cache; "int8" | "fp8_e4m3": an 8-bit one
 ):
+    if kv_cache_dtype is None:
+        k_hbm, v_hbm, o_ref, k_buf, v_buf, sems, m_scr, l_scr, acc_scr = refs
+        pages = ((k_hbm, k_buf), (v_hbm, v_buf))
+    else:
+        k_hbm, v_hbm, ks_hbm, vs_hbm, o_ref, k_buf, v_buf, ks_buf, vs_buf, sems, m_scr, l_scr, acc_scr = refs
+        pages = ((k_hbm, k_buf), (v_hbm, v_buf), (ks_hbm, ks_buf), (vs_hbm, vs_buf))
     b = pl.program_id(0)
     layer = layer_ref[0]
     seq, lo, hi = seq_ref[b], lo_ref[b], hi_ref[b]
@@ -86,10 +100,8 @@ def _tpu_kernel(
 
     def page_copies(j, slot):
         page = tables_ref[seq * max_blocks_per_seq + j]
-        return (
-            pltpu.make_async_copy(k_hbm.at[layer, page], k_buf.at[slot], sems.at[0, slot]),
-            pltpu.make_async_copy(v_hbm.at[layer, page], v_buf.at[slot], sems.at[1, slot]),
-        )
+        return [pltpu.make_async_copy(hbm.at[layer, page], buf.at[slot], sems.at[i, slot])
+                for i, (hbm, buf) in enumerate(pages)]
 
     @pl.when(lo < hi)
     def _():
@@ -117,10 +129,15 @@ def _tpu_kernel(
         mask = (x * group <= row) & (kv_pos < kv_end)
         if sliding_window is not None:
             mask &= (x + sliding_window) * group > row
+        if kv_cache_dtype is not None:  # this page's scales, float32 [block_size, Hkv]
+            k_scales, v_scales = (kv_quant.scales_to_float32(buf[slot]) for buf in (ks_buf, vs_buf))
         for h in range(num_kv_heads):
             q = q_ref[h]  # [R, D]
             k = k_buf[slot, h] if heads_major else k_buf[slot, :, h, :]  # [block_size, D]
             v = v_buf[slot, h] if heads_major else v_buf[slot, :, h, :]  # [block_size, D]
+            if kv_cache_dtype is not None:
+                k = _dequantize(k, k_scales, h, kv_cache_dtype, q.dtype)
+                v = _dequantize(v, v_scales, h, kv_cache_dtype, q.dtype)
             s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
             s = s * sm_scale  # [R, block_size]
             if soft_cap is not None:
@@ -143,6 +160,17 @@ def _tpu_kernel(
     o_ref[...] = (acc_scr[...] / jnp.where(denom == 0.0, 1.0, denom)).astype(o_ref.dtype)
 
 
+def _dequantize(values, scales, head, kv_cache_dtype, dtype):
+    """One kv head's 8-bit page values [block_size, D] times their scales (column `head` of the
+    page's float32 scales [block_size, Hkv], taken by a masked lane sum) -> [block_size, D] dtype."""
+    if scales.shape[1] == 1:
+        column = scales
+    else:
+        lane = lax.broadcasted_iota(jnp.int32, scales.shape, 1)
+        column = jnp.sum(jnp.where(lane == head, scales, 0.0), axis=1, keepdims=True)  # [block_size, 1]
+    return (kv_quant.values_to_float32(values, kv_cache_dtype) * column).astype(dtype)
+
+
 def _tile_bytes(shape, dtype) -> int:
     """VMEM bytes of an array under Mosaic's tiling: the last two dims padded to (8 sublanes x
     the dtype's packing, 128 lanes)."""
@@ -153,11 +181,14 @@ def _tile_bytes(shape, dtype) -> int:
     return int(np.prod(lead, dtype=np.int64)) * padded * itemsize
 
 
-def vmem_bytes(num_kv_heads, rows, head_dim, block_size, q_dtype, cache_dtype) -> int:
+def vmem_bytes(num_kv_heads, rows, head_dim, block_size, q_dtype, cache_dtype, scaled=False) -> int:
     """An upper estimate of the kernel's VMEM: the q and out blocks (double-buffered), the K and V
-    page buffers, the softmax scratch and the [R, block_size] temporaries of one kv head."""
+    page buffers (and an 8-bit cache's scale pages), the softmax scratch and the [R, block_size]
+    temporaries of one kv head."""
     q_block = _tile_bytes((num_kv_heads, rows, head_dim), q_dtype)
     pages = _tile_bytes(page_buffer_shape(num_kv_heads, block_size, head_dim), cache_dtype)
+    if scaled:
+        pages += _tile_bytes((2, block_size, num_kv_heads), jnp.uint16)
     stats = _tile_bytes((num_kv_heads, rows, 1), jnp.float32)
     acc = _tile_bytes((num_kv_heads, rows, head_dim), jnp.float32)
     temps = 8 * _tile_bytes((rows, block_size), jnp.float32)
@@ -165,10 +196,10 @@ def vmem_bytes(num_kv_heads, rows, head_dim, block_size, q_dtype, cache_dtype) -
     return 4 * q_block + 2 * pages + 2 * stats + acc + temps
 
 
-def vmem_limit(num_kv_heads, rows, head_dim, block_size, q_dtype, cache_dtype) -> int | None:
+def vmem_limit(num_kv_heads, rows, head_dim, block_size, q_dtype, cache_dtype, scaled=False) -> int | None:
     """The scoped VMEM limit to compile with: None (Mosaic's default) when the estimate fits it;
     ValueError naming the knobs when it does not fit _VMEM_CAP."""
-    need = vmem_bytes(num_kv_heads, rows, head_dim, block_size, q_dtype, cache_dtype)
+    need = vmem_bytes(num_kv_heads, rows, head_dim, block_size, q_dtype, cache_dtype, scaled)
     if need <= _DEFAULT_SCOPED_VMEM:
         return None
     if need > _VMEM_CAP:
@@ -207,33 +238,40 @@ def kernel_view(cache):
     return cache
 
 
-def _tpu_pallas_call(scalars, q_blocks, k_cache, v_cache, *, interpret, **static):
+def _tpu_pallas_call(scalars, q_blocks, k_cache, v_cache, scales=(), *, interpret, kv_cache_dtype=None,
+                     **static):
     """pallas_call over grid (NB,); scalars = (layer, tables, seq, q_len, pos, lo, hi).
 
-    k_cache, v_cache [L, num_blocks, block_size, Hkv, D], left in HBM (as `kernel_view`).
+    k_cache, v_cache [L, num_blocks, block_size, Hkv, D], left in HBM (as `kernel_view`); an
+    8-bit cache (kv_cache_dtype) passes its values there and scales = (k_scales, v_scales)
+    [L, num_blocks, block_size, Hkv] uint16.
     """
     nb, num_kv_heads, rows, head_dim = q_blocks.shape
     block_size = k_cache.shape[2]
     k_cache, v_cache = kernel_view(k_cache), kernel_view(v_cache)
     page = page_buffer_shape(num_kv_heads, block_size, head_dim)
-    limit = vmem_limit(num_kv_heads, rows, head_dim, block_size, q_blocks.dtype, k_cache.dtype)
+    limit = vmem_limit(num_kv_heads, rows, head_dim, block_size, q_blocks.dtype, k_cache.dtype,
+                       scaled=bool(scales))
     block = pl.BlockSpec((None, num_kv_heads, rows, head_dim), lambda b, *_: (b, 0, 0, 0))
+    scale_pages = [pltpu.VMEM((2, block_size, num_kv_heads), s.dtype) for s in scales]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(scalars),
         grid=(nb,),
-        in_specs=[block, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+        in_specs=[block] + [pl.BlockSpec(memory_space=pl.ANY)] * (2 + len(scales)),
         out_specs=block,
         scratch_shapes=[
             pltpu.VMEM(page, k_cache.dtype),
             pltpu.VMEM(page, v_cache.dtype),
-            pltpu.SemaphoreType.DMA((2, 2)),
+            *scale_pages,
+            pltpu.SemaphoreType.DMA((2 + len(scales), 2)),
             pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),
             pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),
             pltpu.VMEM((num_kv_heads, rows, head_dim), jnp.float32),
         ],
     )
     return pl.pallas_call(
-        functools.partial(_tpu_kernel, heads_major=heads_major(num_kv_heads), **static),
+        functools.partial(_tpu_kernel, heads_major=heads_major(num_kv_heads),
+                          kv_cache_dtype=kv_cache_dtype, **static),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct(q_blocks.shape, q_blocks.dtype),
         compiler_params=pltpu.CompilerParams(
@@ -241,7 +279,7 @@ def _tpu_pallas_call(scalars, q_blocks, k_cache, v_cache, *, interpret, **static
         ),
         interpret=interpret,
         name="ragged_paged_attention_tpu",
-    )(*scalars, q_blocks, k_cache, v_cache)
+    )(*scalars, q_blocks, k_cache, v_cache, *scales)
 
 
 def prepare_tpu(
@@ -289,11 +327,15 @@ def ragged_paged_attention_tpu(
     """One layer of the TPU kernel: validates shapes (ValueError), returns [T, Hq, D].
 
     k_cache, v_cache: [L, num_blocks, block_size, Hkv, D] with layer a Python int or a traced
-    int32 scalar in [0, L), or [num_blocks, block_size, Hkv, D] with layer=None.
+    int32 scalar in [0, L), or [num_blocks, block_size, Hkv, D] with layer=None; or an 8-bit
+    cache, a kv_quant.ScaledCache each (values of those shapes, scales without D).
     interpret=True runs TPU interpret mode (pltpu.InterpretParams(), which simulates HBM, VMEM,
     DMAs and semaphores on the CPU); pass an InterpretParams to choose its checks.
     """
-    cache = validation.check_layer_inputs(q, k_cache, v_cache, md, layer, "pallas_tpu")
+    k_cache, v_cache, scales, kv_cache_dtype = kv_quant.split_cache(k_cache, v_cache)
+    cache = validation.check_layer_inputs(q, k_cache, v_cache, md, layer, "pallas_tpu",
+                                          eight_bit=kv_cache_dtype is not None)
+    scales = tuple(jnp.reshape(s, cache.stacked_shape[:-1]) for s in scales)
     validation.check_options(sm_scale, sliding_window, soft_cap, "pallas_tpu")
     validation.check_window_fits(md, sliding_window)
     q = jnp.asarray(q)
@@ -310,7 +352,9 @@ def ragged_paged_attention_tpu(
         q_blocks,
         validation.stacked_view(k_cache, cache),
         validation.stacked_view(v_cache, cache),
+        scales,
         interpret=interpret,
+        kv_cache_dtype=kv_cache_dtype,
         sm_scale=float(sm_scale),
         sliding_window=sliding_window,
         soft_cap=None if soft_cap is None else float(soft_cap),

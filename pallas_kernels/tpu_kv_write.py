@@ -22,6 +22,14 @@ Walkthrough (one program)
   2. For the same tokens, wait for each copy (a wait consumes one copy of that size).
 Tokens with slot -1 copy nothing. Two tokens with the same slot (padding pointed at the null
 block) both write it; which one lands is unspecified, as for the scatter.
+
+An 8-bit cache (kv_quant.ScaledCache; `write_scaled_kv_tpu`): k and v are quantized per token and
+kv head in XLA (kv_quant.quantize_kv), then written as two caches of their own with the kernels
+above: the values [L, num_blocks, block_size, Hkv, D] (int8, or uint8 e4m3 bits) as a cache, and
+the scales [L, num_blocks, block_size, Hkv] (uint16 bfloat16 bits) as a one-head cache of head_dim
+Hkv, [L, num_blocks, block_size, 1, Hkv] (a free view): one token's scales are one row of a packed
+16-bit tile, so they take the page read-modify-write form (`_page_kernel`). That form selects in
+float32: the stored integers (int8, uint8 codes, uint16 bits) convert to float32 and back exactly.
 """
 
 import jax
@@ -29,6 +37,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.kv_quant import ScaledCache, quantize_kv
 
 
 def _kernel(layer_ref, slots_ref, k_new, v_new, k_in, v_in, k_out, v_out, sems):
@@ -63,7 +73,7 @@ def _page_kernel(layer_ref, slots_ref, k_new, v_new, k_in, v_in, k_out, v_out, k
     of a (block_size, D) tile, which a DMA cannot write alone in a packed 16-bit dtype, so pages are
     read, updated and written back: tokens run in order and the page stays in VMEM while the next
     token writes the same page (a sequence's tokens are consecutive), one page round trip per page
-    touched. k_new, v_new [T, D] float32 in VMEM."""
+    touched. k_new, v_new [T, D] float32 in VMEM (an integer cache: its stored integers, exact)."""
     del k_in, v_in
     layer = layer_ref[0]
     block_size = k_out.shape[3]
@@ -147,3 +157,20 @@ def write_kv_tpu(k_cache, v_cache, k, v, rows, layer, *, interpret=False):
         name="write_kv_tpu",
     )(layer, rows, k, v, k_view, v_view)
     return k_out.reshape(shape), v_out.reshape(shape)
+
+
+def write_scaled_kv_tpu(k_cache: ScaledCache, v_cache: ScaledCache, k, v, rows, layer, stacked_shape, *,
+                        interpret=False):
+    """(k_cache, v_cache) 8-bit caches with k[t], v[t] quantized and written at slot rows[t] of
+    `layer` (int32[1]); rows[t] == -1 writes nothing. stacked_shape: the values as
+    [L, num_blocks, block_size, Hkv, D] (a single-layer cache is L = 1). Validation is the caller's."""
+    kind = k_cache.kv_cache_dtype
+    (k_values, k_scales), (v_values, v_scales) = quantize_kv(k, kind), quantize_kv(v, kind)
+    num_layers, num_blocks, block_size, num_kv_heads, _ = stacked_shape
+    values = write_kv_tpu(k_cache.values.reshape(stacked_shape), v_cache.values.reshape(stacked_shape),
+                          k_values, v_values, rows, layer, interpret=interpret)
+    scale_view = (num_layers, num_blocks, block_size, 1, num_kv_heads)  # one "head" of Hkv scales
+    scales = write_kv_tpu(k_cache.scales.reshape(scale_view), v_cache.scales.reshape(scale_view),
+                          k_scales[:, None, :], v_scales[:, None, :], rows, layer, interpret=interpret)
+    return tuple(ScaledCache(x.reshape(c.values.shape), s.reshape(c.scales.shape), kind)
+                 for c, x, s in zip((k_cache, v_cache), values, scales))

@@ -112,14 +112,11 @@ def build_parts(config: EngineConfig, *, progress: bool = True, mesh=None, loade
             f"EngineConfig.attention_backend={config.attention_backend!r}: Pallas kernels do not "
             "compile for the CPU; pass interpret=True to run them in Pallas interpret mode "
             "(slow, for tests), or use attention_backend='xla' (the CPU path)")
-    if config.kv_cache_dtype != "auto" and backend != "xla":
-        raise ValueError(f"EngineConfig.kv_cache_dtype={config.kv_cache_dtype!r}: the {backend} attention "
-                         "kernel does not read an 8-bit KV cache yet; use attention_backend='xla' "
-                         "(pallas_kernels/kv_quant.py)")
     start = time.perf_counter()
     if loaded is None:
         loaded = load_model(config.model, dtype=dtype, seed=config.seed, tokenizer=config.tokenizer,
-                            progress=progress, cache_dir=config.weights_cache_dir, host=mesh is not None)
+                            progress=progress, cache_dir=config.weights_cache_dir, host=mesh is not None,
+                            native_blocks=config.quantization == "gguf")
     placement, params, kv_config = None, loaded.params, loaded.config
     layer_loop = resolve_layer_loop(config, platform)
     if mesh is not None:
@@ -210,7 +207,7 @@ def build_parts(config: EngineConfig, *, progress: bool = True, mesh=None, loade
                          background_compile=config.background_compile, progress=progress, placement=placement,
                          keep_hidden=keep_hidden or head is not None, executables=executables,
                          lora=lora_slots, lora_method=lora_method,
-                         quantization=config.quantization,
+                         quantization=None if config.quantization == "gguf" else config.quantization,  # gguf: loaded quantized
                          activation_rows=resolve_activation_rows(config, platform),
                          kv_cache_dtype=config.kv_cache_dtype)
     proposer = None

@@ -85,9 +85,9 @@ def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: st
     max_blocks_per_seq = -(-max_model_len // bs)
 
     activation_rows = resolve_activation_rows(config, platform)
-    if config.kv_cache_dtype != "auto" and backend != "xla":
-        raise ValueError(f"--kv_cache_dtype={config.kv_cache_dtype}: the {backend} kernel does not read an "
-                         "8-bit KV cache yet; pass --attention_backend=xla")
+    if config.quantization == "gguf":
+        raise ValueError("--quantization=gguf serves a GGUF file's own Q8_0 tables, which a build from the "
+                         "model's config alone does not have; experiments.aot takes int8 or fp8")
     quant = dict(quantization=config.quantization, activation_rows=activation_rows)
     params, replicated, kv_sharding, kv_config = _abstract_params(model, dtype, layer_loop, placement, devices[0],
                                                                   **quant)

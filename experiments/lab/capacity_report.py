@@ -60,6 +60,8 @@ class CapacityReport:
     # paged with one block table for every layer (differs from fit_paged for a model mixing
     # sliding-window and global layers, whose sliding layers keep only their window's blocks)
     fit_paged_one_group: int | None = None
+    quantization: str | None = None  # weights: None (the dtype), "int8", "fp8"
+    kv_cache_dtype: str = "auto"  # "auto" (the dtype), "int8", "fp8_e4m3"
 
     @property
     def weights_fit(self) -> bool:
@@ -79,7 +81,9 @@ def format_report(r: CapacityReport) -> str:
     chips = f" x {r.tensor_parallel_size}" if r.tensor_parallel_size > 1 else ""
     d = r.device
     lines = [
-        f"model {r.model}: {r.num_params / 1e9:.3f} B parameters, {r.dtype}",
+        f"model {r.model}: {r.num_params / 1e9:.3f} B parameters, {r.dtype}"
+        + (f", weights {r.quantization}" if r.quantization else "")
+        + (f", KV cache {r.kv_cache_dtype}" if r.kv_cache_dtype != "auto" else ""),
         f"device {d.name}{chips}: {d.hbm_bytes / GB:.0f} GB, {d.bandwidth / GB:,.1f} GB/s, "
         + (f"{d.peak_flops / 1e12:,.0f} TFLOP/s" if d.peak_flops >= 1e12 else f"{d.peak_flops / 1e9:,.1f} GFLOP/s")
         + " per chip",

@@ -99,15 +99,62 @@ def test_the_cache_and_its_scales_are_donated(engine):
     (dict(quantization="int8", quantization_activation_rows=-1), "non-negative"),
     (dict(quantization="int8", disaggregation="prefill:1,decode:1"), "not implemented with disaggregation"),
     (dict(kv_cache_dtype="int8", disaggregation="prefill:1,decode:1"), "not implemented with disaggregation"),
+    (dict(quantization="gguf", quantization_activation_rows=0), "gguf blocks are weight-only"),
+    (dict(quantization="gguf", tensor_parallel_size=2), "not implemented on a mesh"),
+    (dict(quantization="gguf", data_parallel_size=2), "not implemented on a mesh"),
 ])
 def test_knobs_are_refused_by_name(knobs, match):
     with pytest.raises(ValueError, match=match):
         EngineConfig(model="random:tiny", **knobs)
 
 
-def test_pallas_backends_refuse_an_8bit_cache_before_loading():
+@pytest.mark.extended  # make test-extended: about 25 s of interpreted kernels on 2 cores
+def test_the_pallas_kernel_serves_the_8bit_cache_as_the_xla_path_does(engine):
+    """attention_backend="pallas" (the Triton kernel in interpret mode on the CPU) writes and reads
+    the int8 cache: seeded high-temperature samples (which follow every logit) equal the xla
+    engine's; the kernels' numerics against the oracle are tests/pallas_kernels' (default tier)."""
     from engine.core.llm_engine import LLMEngine
 
-    with pytest.raises(ValueError, match="does not read an 8-bit KV cache"):
-        LLMEngine(EngineConfig(**dict(TINY_KNOBS, kv_cache_dtype="int8", attention_backend="pallas",
-                                      interpret=True)), progress=False)
+    # Small buckets (interpreted kernels compile slowly): prompts of 9 and 23 tokens prefill in
+    # 16-token chunks beside the other's decode.
+    pallas = LLMEngine(EngineConfig(**dict(KNOBS, attention_backend="pallas", interpret=True, seq_buckets=(4,),
+                                           max_num_seqs=4, token_buckets=(4, 16), max_num_batched_tokens=16)),
+                       progress=False)
+    assert pallas.attention_backend == "pallas_gpu" and isinstance(pallas.runner.kv_cache[0], ScaledCache)
+    requests = [(f"p{i}", p, SamplingParams(temperature=40.0, seed=i, max_tokens=6, ignore_eos=True))
+                for i, p in enumerate(PROMPTS[1:3])]
+    got, want = run_to_completion(pallas, requests), run_to_completion(engine, requests)
+    for rid, _, _ in requests:
+        assert got[rid].outputs[0].token_ids == want[rid].outputs[0].token_ids
+
+
+def test_gguf_quantization_needs_a_gguf_file():
+    from engine.core.llm_engine import LLMEngine
+
+    with pytest.raises(ValueError, match="quantization='gguf' serves a GGUF file's own Q8_0 blocks"):
+        LLMEngine(EngineConfig(**dict(TINY_KNOBS, quantization="gguf")), progress=False)
+
+
+@pytest.mark.extended  # make test-extended: two default-model engines, about 30 s on 2 cores
+def test_the_default_model_serves_its_q8_0_embedding_in_its_own_blocks():
+    """quantization="gguf": the default model's token_embd (its one Q8_0 tensor; the layers are
+    Q4_1, still dequantized) is served as int8 with a float32 scale per 32 values, the tied
+    lm_head's product dequantizing inside; greedy tokens equal the float32 engine's and the
+    weights shrink by the embedding's float32 bytes less its int8 and scales."""
+    from engine.frontends.llm import LLM
+    from models.quant import QuantizedWeight
+
+    knobs = dict(max_num_seqs=2, max_num_batched_tokens=16, token_buckets=(1, 16), seq_buckets=(2,),
+                 max_model_len=128, compilation_cache_dir=None, progress=False, prompt_scoring_bucket=False)
+    prompts = ["The capital of France is", "Explain in two sentences why the sky is blue."]
+    greedy = SamplingParams(temperature=0.0, max_tokens=16)
+    tokens, weight_bytes = {}, {}
+    for quantization in (None, "gguf"):
+        llm = LLM("default", quantization=quantization, **knobs)
+        tokens[quantization] = [r.outputs[0].token_ids for r in llm.generate(prompts, greedy, use_tqdm=False)]
+        weight_bytes[quantization] = llm.engine.get_stats().weight_bytes_per_device[0]
+        embed = llm.engine.runner.params["embed"]
+    assert isinstance(embed, QuantizedWeight) and embed.block == 32 and embed.q.dtype == jnp.int8
+    assert tokens["gguf"] == tokens[None]
+    vocab, hidden = embed.shape
+    assert weight_bytes[None] - weight_bytes["gguf"] == vocab * hidden * 4 - vocab * hidden - vocab * hidden // 32 * 4

@@ -5,7 +5,8 @@ the request table and cache donated), the bytes per device come from the abstrac
 collectives of tensor parallelism are read from the HLO, a configuration that does not fit says
 so. Under the `aot` marker (`make aot-test`, with the device compilers of `make aot-setup`): a
 small model's whole step compiled for a TPU topology at tensor parallel 2 and for a GPU target,
-and the JSON report's keys.
+with quantized weights and an 8-bit cache on both (bytes equal to the calculator's), and the
+JSON report's keys.
 """
 
 import json
@@ -114,6 +115,12 @@ def test_collective_counting_reads_loop_bodies():
     assert inside["all-reduce"] == 2 and outside == {**outside, "all-gather": 1, "all-reduce": 0}
 
 
+def test_gguf_quantization_is_refused_by_name():
+    config = EngineConfig(model="random:tiny", quantization="gguf", **SMALL)
+    with pytest.raises(ValueError, match="quantization=gguf serves a GGUF file's own Q8_0 tables"):
+        compile_for_target(config, TINY, "cpu", progress=None)
+
+
 def test_too_few_devices_is_named():
     config = EngineConfig(model="random:tiny", tensor_parallel_size=64, **SMALL)
     with pytest.raises(ValueError, match="needs 64 devices, the target has"):
@@ -148,6 +155,25 @@ def test_small_model_step_compiles_for_a_gpu_target(tmp_path):
     r = json.loads(path.read_text())
     assert r["attention_backend"] == "pallas_gpu" and r["fits"] is True
     assert r["hbm_bytes"] > 70 * 2**30 and [b["compile_s"] > 0 for b in r["buckets"]] == [True] * 3
+
+
+@pytest.mark.aot
+@pytest.mark.usefixtures("no_persistent_cache")
+@pytest.mark.parametrize("target, quantization, kv_cache_dtype", [("v5e-1", "int8", "int8"),
+                                                                  ("h100", "fp8", "fp8_e4m3")])
+def test_quantized_weights_and_an_8bit_cache_compile_and_match_the_calculator(target, quantization,
+                                                                              kv_cache_dtype):
+    """Quantized weights and an 8-bit cache through the target's Pallas kernels: the compiled
+    weights and KV bytes are experiments.capacity's to the byte (ratios 1.000)."""
+    config = EngineConfig(model="random:tiny", quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+                          **SMALL)
+    build = compile_for_target(config, TINY, target, roofline=False, progress=None)
+    assert build.attention_backend in ("pallas_tpu", "pallas_gpu") and build.fits
+    r = aot.report(build, TINY, config)
+    assert (r["quantization"], r["kv_cache_dtype"]) == (quantization, kv_cache_dtype)
+    p = r["capacity_prediction"]
+    assert p["weights_ratio"] == pytest.approx(1.0, abs=1e-9)
+    assert p["kv_bytes_per_token_ratio"] == pytest.approx(1.0, abs=1e-9)
 
 
 @pytest.mark.aot

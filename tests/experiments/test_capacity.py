@@ -163,3 +163,42 @@ def test_prediction_against_the_measured_cpu_sweep():
     predicted_knee = loads[find_knee(loads, [p["aggregate_tok_s"] for p in saved["predicted"]])]
     assert predicted_knee <= saved["measured"]["knee_concurrency"]
     assert saved["crossover_batch"] <= predicted_knee
+
+
+@pytest.mark.parametrize("model", ["random:tiny", "random:tiny-gqa3", "random:tiny-mixtral", "random:tiny-qwen3"])
+@pytest.mark.parametrize("quantization", ["int8", "fp8"])
+def test_quantized_weight_bytes_are_the_served_weights_bytes(model, quantization):
+    """The calculator's bytes are those of the weights the runner serves (quantized at load:
+    models/quant.py), counted leaf by leaf on their abstract shapes: untied and MoE models too."""
+    import jax
+
+    from engine.step.program import served_params_spec
+
+    config = capacity.model_config_for(model)
+    for dtype in ("bfloat16", "float32"):
+        served = served_params_spec(config, dtype=dtype, layer_loop="unrolled", placement=None,
+                                    quantization=quantization)
+        served_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(served))
+        assert capacity.weight_bytes(config, capacity.DTYPE_BYTES[dtype], quantization) == served_bytes
+
+
+def test_quantized_weights_and_an_8bit_cache_on_h200():
+    """Llama-3-8B: int8 weights are 0.50x bfloat16's bytes plus their scales; an 8-bit cache holds
+    head_dim + 2 bytes per token and KV head (0.508x bfloat16's at head_dim 128), so more blocks
+    fit, and decode at batch 1 streams half the weight bytes."""
+    base = capacity.capacity("random:llama3-8b", "h200", dtype="bfloat16")
+    quant = capacity.capacity("random:llama3-8b", "h200", dtype="bfloat16", quantization="int8",
+                              kv_cache_dtype="int8")
+    assert 0.50 < quant.weight_bytes / base.weight_bytes < 0.502
+    assert quant.kv_bytes_per_token == 32 * 8 * 2 * (128 + 2) == 66_560
+    budget = 0.85 * (0.75 * 141 * GB - quant.weight_bytes)
+    assert quant.num_blocks == int(budget // (16 * 66_560)) and quant.fit_paged > 1.9 * base.fit_paged
+    streamed = quant.weight_bytes - (128256 * 4096 + 4 * 128256)  # not the untied input embedding
+    assert quant.point(1).memory_s == pytest.approx((streamed + 3840 * 66_560) / 4.8e12)
+    assert quant.point(1).compute_s == base.point(1).compute_s
+    fp8 = capacity.capacity("random:llama3-8b", "h200", dtype="bfloat16", quantization="fp8",
+                            kv_cache_dtype="fp8_e4m3")
+    assert (fp8.weight_bytes, fp8.kv_bytes_per_token) == (quant.weight_bytes, quant.kv_bytes_per_token)
+    assert "weights int8, KV cache int8" in capacity.format_report(quant)
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        capacity.capacity("random:llama3-8b", "h200", kv_cache_dtype="fp8_e5m2")

@@ -18,6 +18,7 @@ from models.hf_config import config_from_hf
 from models.hf_loader import load_hf_folder
 from models.llama import forward_dense
 from models.loader import load_model
+from models.quant import QuantizedWeight
 from models.random_weights import random_params
 from tests.models.gguf_writer import write_gguf
 
@@ -245,3 +246,28 @@ def test_load_model_conversion_cache_round_trip(tmp_path, tiny_params):
     a, b = first.tokenizer, second.tokenizer
     assert a.encode(text) == b.encode(text) and b.decode(b.encode(text), skip_special_tokens=False) == text
     assert (a.eos_token_ids, a.bos_token_id, a.chat_template) == (b.eos_token_ids, b.bos_token_id, b.chat_template)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_gguf_q8_0_tables_served_in_their_own_blocks_give_the_dequantized_logits(tmp_path, tied):
+    """native_blocks=True keeps a Q8_0 token_embd (and output) as int8 values with one float32
+    scale per 32 (no float copy): the values and scales are the file's bytes, dequantizing them
+    is exactly gguf's decode, and the logits equal those of the dequantize-to-float load."""
+    config = TINY if tied else dataclasses.replace(TINY, tie_word_embeddings=False)
+    params = random_params(config, seed=4)
+    path = tmp_path / "q8.gguf"
+    decoded = write_gguf(path, config, params, Q.Q8_0)
+    _, floats, _ = load_gguf(path, progress=False)
+    got_config, native, _ = load_gguf(path, progress=False, native_blocks=True)
+    tables = {"embed": "token_embd.weight"} if tied else {"embed": "token_embd.weight", "output_proj": "output.weight"}
+    assert ("lm_head" in native) is False and ("output_proj" in native) == (not tied)
+    for key, name in tables.items():
+        w = native[key]
+        assert isinstance(w, QuantizedWeight) and w.block == 32 and w.q.dtype == jnp.int8
+        assert w.scale.shape == (config.vocab_size, config.hidden_size // 32) and w.scale.dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(w.dequantize()), decoded[name])
+    assert all(np.asarray(a).dtype == np.float32 for a in jax.tree.leaves(native["layers"]))  # the rest as before
+    ids = jnp.arange(12) % config.vocab_size
+    want = forward_dense(floats, got_config, ids)
+    np.testing.assert_allclose(np.asarray(forward_dense(native, got_config, ids)), np.asarray(want),
+                               rtol=1e-5, atol=1e-5)

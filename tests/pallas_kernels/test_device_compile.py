@@ -14,7 +14,11 @@ the default model's, SmolLM2-135M: D 64, 3 KV heads of 3 queries). Every pair of
 block size and dtype values meets at least once. Then the cases the kernels had to be fixed for
 (Triton's shared memory on large float32 tiles: the rows are split over programs; Mosaic's scoped
 VMEM on many KV heads: the kernel asks for more), and the shapes they refuse, with the error that
-names the limit and the knob.
+names the limit and the knob. And an 8-bit cache (int8 and fp8_e4m3 values with bfloat16 scale
+arrays, pallas_kernels/kv_quant.py) on three shapes, every layout (traced, single, static) and
+both kernels on every target: the default model's decode, one kv head (the TPU's heads_major
+pages) and float32 prefill of 8 heads per kv head over 64-token pages (its rows split over
+programs on the GPU).
 
 A compiled case must hold its kernel (the Mosaic or Triton custom call, by name), answer
 memory_analysis() with the caches among its arguments, and carry device code: TPU machine code
@@ -41,6 +45,7 @@ from pallas_kernels import (
     tpu,
     write_kv,
 )
+from pallas_kernels.kv_quant import ScaledCache, allocate_scaled
 
 pytestmark = [pytest.mark.aot, pytest.mark.usefixtures("no_persistent_cache")]
 
@@ -64,6 +69,7 @@ class Shape:
     max_model_len: int = 512
     num_blocks: int = 96
     tuning: tuple = ()  # prepare_attention_metadata overrides, as (name, value) pairs
+    kv: str = "auto"  # kv_cache_dtype: "auto" (the cache in `dtype`), "int8", "fp8_e4m3"
 
     @property
     def id(self) -> str:
@@ -72,7 +78,7 @@ class Shape:
         )
         return (
             f"{self.kind}-D{self.head_dim}-G{self.group}-K{self.num_kv_heads}-B{self.block_size}-"
-            f"{self.dtype}{extras}-{self.layout}"
+            f"{self.dtype}{extras}-{self.layout}{'' if self.kv == 'auto' else '-kv_' + self.kv}"
         )
 
 
@@ -90,6 +96,12 @@ SHAPES = [
     Shape("prefill", 128, 1, 3, 128, BF16, sliding_window=100),
     Shape("mixed", 128, 3, 3, 64, F32, sliding_window=64, layout="single"),
     Shape("decode", 64, 1, 2, 16, BF16, soft_cap=30.0, layout="single"),
+]
+EIGHT_BIT_SHAPES = [
+    Shape("decode", 64, 3, 3, 16, BF16, kv="int8"),  # the default model
+    Shape("mixed", 128, 8, 1, 32, BF16, sliding_window=48, layout="single", kv="fp8_e4m3"),
+    Shape("prefill", 128, 8, 2, 64, F32, soft_cap=30.0, layout="static", kv="fp8_e4m3", num_blocks=16,
+          max_model_len=256),
 ]
 
 
@@ -126,9 +138,14 @@ def _lower(s: Shape, backend: str, target: str):
     hq, hkv, d = s.group * s.num_kv_heads, s.num_kv_heads, s.head_dim
     max_blocks = -(-s.max_model_len // s.block_size)
     arg = functools.partial(_abstract, device=device)
+    if s.kv == "auto":
+        cache = arg(_cache_shape(s), dt)
+    else:  # values and scales, as the engine allocates them (engine/step/kv_cache.py)
+        cache = jax.eval_shape(lambda: allocate_scaled(_cache_shape(s), s.kv))
+        cache = ScaledCache(arg(cache.values.shape, cache.values.dtype), arg(cache.scales.shape, jnp.uint16), s.kv)
     args = (
         arg((T, hq, d), dt), arg((T, hkv, d), dt), arg((T, hkv, d), dt),
-        arg(_cache_shape(s), dt), arg(_cache_shape(s), dt),
+        cache, cache,
         arg((T,), np.int32), arg((S,), np.int32), arg((S, max_blocks), np.int32),
         arg((S + 1,), np.int32), arg((), np.int32), arg((), np.int32),
     )
@@ -144,7 +161,8 @@ def _check_compiled(compiled, s: Shape, backend: str, target: str) -> None:
     else:
         assert "__gpu$xla.gpu.triton" in text and "ragged_paged_attention_gpu" in text
     mem = compiled.memory_analysis()
-    cache_bytes = math.prod(_cache_shape(s)) * jnp.dtype(s.dtype).itemsize
+    itemsize = jnp.dtype(s.dtype).itemsize if s.kv == "auto" else 1 + 2 / s.head_dim  # values + scales
+    cache_bytes = math.prod(_cache_shape(s)) * itemsize
     assert mem is not None and mem.argument_size_in_bytes >= 2 * cache_bytes
     if backend == "pallas_tpu":
         assert mem.generated_code_size_in_bytes > 0  # TPU machine code
@@ -164,6 +182,11 @@ class TestMosaic:
     @pytest.mark.parametrize("target", TPU_TARGETS)
     @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.id)
     def test_compiles(self, shape, target):
+        _compile_and_check(shape, "pallas_tpu", target)
+
+    @pytest.mark.parametrize("target", TPU_TARGETS)
+    @pytest.mark.parametrize("shape", EIGHT_BIT_SHAPES, ids=lambda s: s.id)
+    def test_compiles_an_8bit_cache(self, shape, target):
         _compile_and_check(shape, "pallas_tpu", target)
 
     def test_many_kv_heads_ask_for_more_scoped_vmem(self):
@@ -188,6 +211,11 @@ class TestTriton:
         _compile_and_check(shape, "pallas_gpu", target)
 
     @pytest.mark.parametrize("target", GPU_TARGETS)
+    @pytest.mark.parametrize("shape", EIGHT_BIT_SHAPES, ids=lambda s: s.id)
+    def test_compiles_an_8bit_cache(self, shape, target):
+        _compile_and_check(shape, "pallas_gpu", target)
+
+    @pytest.mark.parametrize("target", GPU_TARGETS)
     def test_large_float32_tiles_are_split_over_programs(self, target):
         """A float32 prefill block of 32 tokens x 8 heads (256 rows) over 128-token pages: its
         tiles need 394 KB of shared memory, more than sm_80 (163 KiB) or sm_90 (227 KiB) have
@@ -208,8 +236,12 @@ class TestTriton:
             # 256 kv rows a step of float32 D 128: 288 KB of shared memory even at 16 query rows.
             (Shape("mixed", 128, 1, 1, 128, F32, num_blocks=8, tuning=(("pages_per_step", 2),)),
              r"shared memory.*sm_80.*lower pages_per_step.*block_size.*bfloat16"),
+            # float32 over 128 kv rows of an fp8 cache: sm_80 asked for 172,032 B at 16 query rows
+            # before the 8-bit tiles were counted (gpu_tiles.shared_memory_bytes).
+            (Shape("prefill", 128, 8, 2, 128, F32, num_blocks=16, max_model_len=256, kv="fp8_e4m3"),
+             r"shared memory.*sm_80.*lower pages_per_step.*block_size"),
         ],
-        ids=["head_dim-96", "block_size-24", "block_q-3", "pages_per_step-3", "smem"],
+        ids=["head_dim-96", "block_size-24", "block_q-3", "pages_per_step-3", "smem", "smem-8bit"],
     )
     def test_shapes_triton_cannot_tile_are_refused(self, shape, match):
         with pytest.raises(ValueError, match=match):

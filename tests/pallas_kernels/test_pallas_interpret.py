@@ -72,7 +72,7 @@ def test_gpu_kernel_interpret_variants(case, variant):
 
 
 # A block's rows split over programs (the Triton kernel's answer to tiles too large for shared
-# memory, pallas_kernels/gpu.py row_chunk): forced here with a tiny limit, 4 tokens x 8 heads =
+# memory, pallas_kernels/gpu_tiles.py row_chunk): forced here with a tiny limit, 4 tokens x 8 heads =
 # 32 rows as two programs of 16, whose causal and window masks start at their own rows.
 CHUNKED_CASE = Case("chunked-rows", q_lens=(13, 1, 6), kv_lens=(45, 30, 6), pad_tokens=2,
                     num_kv_heads=2, group=8, sliding_window=20, soft_cap=30.0)
@@ -80,11 +80,11 @@ CHUNKED_CASE = Case("chunked-rows", q_lens=(13, 1, 6), kv_lens=(45, 30, 6), pad_
 
 @pytest.mark.parametrize("num_kv_splits", [1, 2])
 def test_gpu_kernel_interpret_row_chunks(monkeypatch, num_kv_splits):
-    from pallas_kernels import gpu
+    from pallas_kernels import gpu_tiles
 
-    limit = gpu.shared_memory_bytes("sm_80", 16, 64, 64, 4, full_precision=True)
-    monkeypatch.setattr(gpu, "SHARED_MEMORY_LIMITS", {"sm_80": limit})
-    assert gpu.row_chunk(32, 64, 64, 4, full_precision=True) == 16
+    limit = gpu_tiles.shared_memory_bytes("sm_80", 16, 64, 64, 4, full_precision=True)
+    monkeypatch.setattr(gpu_tiles, "SHARED_MEMORY_LIMITS", {"sm_80": limit})
+    assert gpu_tiles.row_chunk(32, 64, 64, 4, full_precision=True) == 16
     tuning = dict(block_q=4, num_kv_splits=num_kv_splits)
     _check(CHUNKED_CASE, lambda b, o: attend(b, backend="pallas_gpu", options=o, interpret=True,
                                              **tuning))
