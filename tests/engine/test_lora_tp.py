@@ -5,7 +5,6 @@ order, A replicated; row-parallel o/down: A by input columns, B replicated), so 
 the Megatron pattern (two all-reduces per layer, no more), and greedy output of the base model
 and two adapters in one batch equals each merged model's dense forward on one device."""
 
-import re
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +17,7 @@ from engine.sampling_params import SamplingParams
 from models.llama import forward_dense
 from models.loader import load_model
 from models.lora import load_peft_adapter, merge_lora
+from tests.engine.hlo_collectives import collectives_by_computation
 from tests.models.lora_files import write_adapter
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -40,22 +40,10 @@ def setup(tmp_path_factory):
     return loaded, paths, engine
 
 
-def _collectives(hlo: str) -> dict[str, list[str]]:
-    found: dict[str, list] = {}
-    name = None
-    for line in hlo.splitlines():
-        if line and not line.startswith(" ") and line.rstrip().endswith("{"):
-            name = "ENTRY" if line.startswith("ENTRY") else line.split()[0]
-        m = re.search(r"= \S+ (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(-start)?\(", line)
-        if m:
-            found.setdefault(name, []).append(m.group(1))
-    return found
-
-
 def test_adapters_under_tp2_equal_merged_models_and_keep_two_all_reduces_per_layer(setup):
     loaded, paths, engine = setup
     config = loaded.config
-    found = _collectives(engine.runner._compiled[engine.runner.shapes.buckets()[0]].as_text())
+    found = collectives_by_computation(engine.runner._compiled[engine.runner.shapes.buckets()[0]].as_text())
     body = [n for n in found if n != "ENTRY"]
     assert len(body) == 1 and found[body[0]] == ["all-reduce"] * 2, found
     assert sorted(found["ENTRY"]) == ["all-gather", "all-reduce"]

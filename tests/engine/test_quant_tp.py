@@ -12,7 +12,6 @@ tests/models/test_sharded_quant.py.
 """
 
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +25,7 @@ from models.llama import forward_dense
 from models.quant import QuantizedWeight
 from pallas_kernels.kv_quant import ScaledCache
 from tests.engine.conftest import run_to_completion
+from tests.engine.hlo_collectives import collectives_by_computation
 
 KNOBS = dict(model="random:tiny-gqa3", max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128,
              num_kv_blocks=40, token_buckets=(16,), seq_buckets=(4,), compilation_cache_dir=None,
@@ -87,22 +87,10 @@ def test_values_and_scales_are_split_as_the_float_weights(setup):
     assert len(w2) == 2 and max(w2) < 0.7 * w1  # a half each, plus padding and replicated scales
 
 
-def _collectives(hlo: str) -> dict[str, list[str]]:
-    found: dict[str, list] = {}
-    name = None
-    for line in hlo.splitlines():
-        if line and not line.startswith(" ") and line.rstrip().endswith("{"):
-            name = "ENTRY" if line.startswith("ENTRY") else line.split()[0]
-        m = re.search(r"= \S+ (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(-start)?\(", line)
-        if m:
-            found.setdefault(name, []).append(m.group(1))
-    return found
-
-
 def test_tp2_keeps_two_all_reduces_per_layer_and_equals_tp1(setup):
     engine, _, dense = setup
     runner = engine.runner
-    found = _collectives(runner._compiled[runner.shapes.buckets()[0]].as_text())
+    found = collectives_by_computation(runner._compiled[runner.shapes.buckets()[0]].as_text())
     body = [n for n in found if n != "ENTRY"]
     assert len(body) == 1 and found[body[0]] == ["all-reduce"] * 2, found
     assert sorted(found["ENTRY"]) == ["all-gather", "all-reduce"]  # embedding lookup, logits

@@ -137,11 +137,15 @@ def test_the_three_product_forms_equal_a_per_token_reference():
     a[:, 0], b[:, :, 0] = 0, 0
     x = rng.normal(size=(7, e)).astype(np.float32)
     token_slots = np.array([2, 0, 3, 2, 1, 0, 3], np.int32)
-    expected = np.zeros((7, 16), np.float32)
-    for t, s in enumerate(token_slots):
-        u = a[1, s] @ x[t]
-        for j, (start, end) in enumerate(segments):
-            expected[t, start:end] = b[1, start:end, s] @ u[j * rank : (j + 1) * rank]
+    def reference():  # per token: its slot's A, then each segment's B (layer 1)
+        out = np.zeros((7, 16), np.float32)
+        for t, s in enumerate(token_slots):
+            u = a[1, s] @ x[t]
+            for j, (start, end) in enumerate(segments):
+                out[t, start:end] = b[1, start:end, s] @ u[j * rank : (j + 1) * rank]
+        return out
+
+    expected = reference()
     for method in LORA_METHODS:
         got = jax.jit(lambda x, a, b, s, layer, m=method: lora_delta(x, a, b, s, layer, segments, method=m))(
             x, a, b, token_slots, jnp.int32(1))
@@ -151,11 +155,7 @@ def test_the_three_product_forms_equal_a_per_token_reference():
     for j in range(n_seg):
         a[:, 2:, j * rank + 2 : (j + 1) * rank] = 0
     token_slots[token_slots == 1] = 3
-    expected = np.zeros((7, 16), np.float32)
-    for t, s in enumerate(token_slots):
-        u = a[1, s] @ x[t]
-        for j, (start, end) in enumerate(segments):
-            expected[t, start:end] = b[1, start:end, s] @ u[j * rank : (j + 1) * rank]
+    expected = reference()
     for method in LORA_METHODS:
         got = jax.jit(lambda x, a, b, s, layer, m=method: lora_delta(x, a, b, s, layer, segments, method=m, rank=2))(
             x, a, b, token_slots, jnp.int32(1))
