@@ -1,7 +1,9 @@
-"""How much of a step's budgets (tokens, logit rows) one request's row may take."""
+"""A step's budgets (tokens, logit rows): what one schedule() call has left (StepPlan), and how
+much of them one request's row may take."""
 
 from __future__ import annotations
 
+from scheduler.outputs import ScheduledRequest
 from scheduler.request import Request
 
 
@@ -22,3 +24,16 @@ def clamp_drafts(request: Request, drafts: list[int], spare: int, max_model_len:
     room = min(spare, request.max_tokens - len(request.output_token_ids) - 1,
                max_model_len - 1 - request.num_tokens)
     return list(drafts[: max(room, 0)])
+
+
+class StepPlan:
+    """What one schedule() call has decided so far."""
+
+    __slots__ = ("budget", "logits", "scheduled", "preempted", "admitted")
+
+    def __init__(self, budget: int, logits: int) -> None:
+        self.budget = budget
+        self.logits = logits  # logit rows left (SchedulerConfig.max_num_logits)
+        self.scheduled: dict[str, ScheduledRequest] = {}  # insertion order is the output order
+        self.preempted: dict[str, None] = {}
+        self.admitted: list[Request] = []  # started running in this step (new or resumed)

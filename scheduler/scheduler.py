@@ -35,12 +35,13 @@ adds an O(running) scan for the victim.
 
 from __future__ import annotations
 
-from scheduler.budget import clamp_drafts, fit_logits
+from scheduler.budget import StepPlan, clamp_drafts, fit_logits
 from scheduler.config import SchedulerConfig
 from scheduler.fairness import GroupSeats
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.lora_seats import LoRASeats
 from scheduler.outputs import NewRequestData, ScheduledRequest, SchedulerOutput, StepResult
+from scheduler.preemption import SchedulerPreemption
 from scheduler.queues import FCFSQueue, PriorityQueue
 from scheduler.request import FinishReason, Request, RequestStatus
 from scheduler.results import append_tokens, check_step_result
@@ -49,20 +50,7 @@ from scheduler.stats import SchedulerObservability
 RUNNING = RequestStatus.RUNNING
 
 
-class _StepPlan:
-    """What one schedule() call has decided so far."""
-
-    __slots__ = ("budget", "logits", "scheduled", "preempted", "admitted")
-
-    def __init__(self, budget: int, logits: int) -> None:
-        self.budget = budget
-        self.logits = logits  # logit rows left (SchedulerConfig.max_num_logits)
-        self.scheduled: dict[str, ScheduledRequest] = {}  # insertion order is the output order
-        self.preempted: dict[str, None] = {}
-        self.admitted: list[Request] = []  # started running in this step (new or resumed)
-
-
-class Scheduler(SchedulerObservability):
+class Scheduler(SchedulerObservability, SchedulerPreemption):
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.kv_cache_manager = KVCacheManager(config)
@@ -150,7 +138,7 @@ class Scheduler(SchedulerObservability):
                 "SchedulerOutput and its StepResult to update() first"
             )
         config = self.config
-        plan = _StepPlan(config.max_num_batched_tokens, config.max_num_logits or config.max_num_batched_tokens)
+        plan = StepPlan(config.max_num_batched_tokens, config.max_num_logits or config.max_num_batched_tokens)
         if config.policy == "static" and not self.running:
             self._admit_static_batch(plan)
 
@@ -223,7 +211,7 @@ class Scheduler(SchedulerObservability):
         self._pending = {rid: self.running[rid] for rid in plan.scheduled}
         return output
 
-    def _schedule_running(self, request: Request, num_new: int, plan: _StepPlan,
+    def _schedule_running(self, request: Request, num_new: int, plan: StepPlan,
                           drafts: list[int] | None = None) -> None:
         """Allocate for and schedule a running request, preempting others while blocks are short.
         A decode with drafts allocates slots for them too (rejected ones are reused next step)."""
@@ -236,7 +224,7 @@ class Scheduler(SchedulerObservability):
             if victim is request:
                 return
 
-    def _admit_waiting(self, plan: _StepPlan) -> None:
+    def _admit_waiting(self, plan: StepPlan) -> None:
         config, kv = self.config, self.kv_cache_manager
         block_size = config.block_size
         while self.waiting and plan.budget > 0:
@@ -276,7 +264,7 @@ class Scheduler(SchedulerObservability):
             plan.admitted.append(request)
             self._add_to_plan(request, num_new, plan)
 
-    def _admit_static_batch(self, plan: _StepPlan) -> None:
+    def _admit_static_batch(self, plan: StepPlan) -> None:
         """Static baseline: admit up to max_num_seqs waiting requests whose prompts fit now."""
         kv = self.kv_cache_manager
         while self.waiting and len(self.running) < self.config.max_num_seqs:
@@ -299,7 +287,7 @@ class Scheduler(SchedulerObservability):
             request.num_cached_tokens = num_computed
         self.running[request.req_id] = request
 
-    def _add_to_plan(self, request: Request, num_new: int, plan: _StepPlan,
+    def _add_to_plan(self, request: Request, num_new: int, plan: StepPlan,
                      drafts: list[int] | None = None) -> None:
         start = request.num_computed_tokens
         end = start + num_new
@@ -326,52 +314,6 @@ class Scheduler(SchedulerObservability):
             None if sliding is None else sliding.block_tables[req_id],  # sliding_block_ids
         )
         plan.budget -= num_new
-
-    # -- preemption --------------------------------------------------------------------------
-
-    def _pick_victim(self) -> Request:
-        if self.config.policy == "priority":
-            return max(self.running.values(), key=lambda r: (r.priority, r.arrival_time))
-        return next(reversed(self.running.values()))
-
-    def _make_room(self, request: Request, plan: _StepPlan) -> bool:
-        """Preempts one running request for `request`: a lower-priority one (policy "priority"),
-        or the newest of a group over its fairness cap (fairness.py). False if none qualifies."""
-        if self._preempt_for(request, plan):
-            return True
-        victim = self.group_seats.victim_for(request, self.running)
-        if victim is not None:
-            self._preempt(victim, plan)
-        return victim is not None
-
-    def _preempt_for(self, request: Request, plan: _StepPlan) -> bool:
-        """Priority policy: preempt the lowest-priority running request if `request` outranks it."""
-        if self.config.policy != "priority" or not self.running:
-            return False
-        victim = self._pick_victim()
-        if victim.priority <= request.priority:
-            return False
-        self._preempt(victim, plan)
-        return True
-
-    def _preempt(self, victim: Request, plan: _StepPlan) -> None:
-        del self.running[victim.req_id]
-        self.group_seats.leave(victim)
-        self.lora_seats.leave(victim)
-        self.kv_cache_manager.free(victim)
-        # Hash every full block now, so the resumed request finds its cached prefix.
-        self.kv_cache_manager.update_block_hashes(victim)
-        victim.status = RequestStatus.WAITING
-        victim.num_computed_tokens = 0
-        victim.spec_token_ids = []
-        victim.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.push_front(victim)
-        unscheduled = plan.scheduled.pop(victim.req_id, None)
-        if unscheduled is not None:
-            plan.budget += unscheduled.num_scheduled_tokens
-            plan.logits += unscheduled.num_logits
-        plan.preempted[victim.req_id] = None
 
     # -- update ------------------------------------------------------------------------------
 
