@@ -27,22 +27,21 @@ import dataclasses
 import itertools
 import threading
 import time
-import zlib
 
 from engine.config import EngineConfig
 from engine.core.builder import EngineParts, build_parts, scheduler_config_for
 from engine.core.engine_stats import EngineDeadError, EngineStats
 from engine.core.request_state import RequestState, Resume, SequenceState
+from engine.core.sequences import add_sequences
 from engine.errors import ParamError
+from engine.lora.manager import request_adapter
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from engine.row_params import RowParams
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.base import make_spec_decoder
 from engine.step.logit_controls import build_logit_controls
 from engine.step.model_runner import num_backend_compilations
 from engine.step.placement import device_bytes
-from engine.structured_output.masks import BadWordsState
-from scheduler import FinishReason, Request, Scheduler
+from scheduler import FinishReason, Scheduler
 
 # Knobs that change only the scheduler (no compiled shape): reconfigure_scheduler() takes these.
 SCHEDULER_KNOBS = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "enable_prefix_caching",
@@ -193,7 +192,7 @@ class LLMEngine:
         the LoRA adapter to run with (an engine.LoRARequest, the name of a loaded adapter, or a
         LoadedAdapter its manager resolved on another thread); None: the base model."""
         self._check_alive()
-        adapter = self._resolve_lora(lora_request)
+        adapter = request_adapter(self.lora_manager, lora_request)
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -221,52 +220,19 @@ class LLMEngine:
                              (prompt if isinstance(prompt, str) else None), ids, params,
                              RequestMetrics(arrival_time=arrival),
                              prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
-        eos_ids = set() if params.ignore_eos else set(self.tokenizer.eos_token_ids)
-        stop_ids = tuple(sorted(set(params.stop_token_ids) | eos_ids))
         if base_seed is None:
             base_seed = params.seed if params.seed is not None else (
                 self.config.seed * 1_000_003 + next(self._seed_counter))
-        for i in range(params.n):
-            seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            seed = zlib.crc32(f"{base_seed}/{i}".encode())
-            # top_k past the vocabulary keeps everything: clamped, so it always fits an int32.
-            top_k = min(params.top_k, self.runner.sample_vocab_size) if params.top_k > 0 else 0
-            row = RowParams(params.temperature, top_k, params.top_p, params.min_p,
-                            params.presence_penalty, params.frequency_penalty,
-                            params.repetition_penalty, seed, params.logprobs is not None, bias=bias,
-                            grammar=grammar.new_state() if grammar is not None else None,
-                            banned=BadWordsState(bad_sequences) if bad_sequences else None,
-                            lora=adapter)
-            sched_req = Request(seq_id, ids, max_tokens, eos_token_id=None if params.ignore_eos
-                                else self.tokenizer.eos_token_id, stop_token_ids=stop_ids,
-                                ignore_eos=params.ignore_eos, priority=priority, arrival_time=arrival,
-                                sampling=row, group_id=group_id or request_id,
-                                prompt_logprobs=params.prompt_logprobs is not None and i == 0 and not resume,
-                                lora_id=adapter.key if adapter is not None else 0)
-            seq = SequenceState(seq_id, i, state, sched_req, row, self.tokenizer)
-            state.seqs.append(seq)
+        add_sequences(state, max_tokens, arrival, base_seed=base_seed, priority=priority,
+                      group_id=group_id or request_id, grammar=grammar, bias=bias,
+                      bad_sequences=bad_sequences, adapter=adapter, resumed=resume is not None,
+                      tokenizer=self.tokenizer, sample_vocab_size=self.runner.sample_vocab_size)
         if resume is not None:
             state.prompt_logprobs = resume.prompt_logprobs
             for seq, first in zip(state.seqs, resume.first, strict=True):
                 if seq.resume_from(first, resume.first_token_time) is None:
                     self._advance_mask_state(seq, list(first.token_ids), {})
         return state
-
-    def _resolve_lora(self, lora_request):
-        """The LoadedAdapter a request runs with (engine/lora/manager.py), None for the base."""
-        if lora_request is None:
-            return None
-        if self.lora_manager is None:
-            raise ParamError("lora_request", "lora_request: this engine serves no LoRA adapters "
-                             "(start it with enable_lora=True)")
-        from engine.lora.manager import LoadedAdapter
-
-        if isinstance(lora_request, LoadedAdapter):
-            return lora_request
-        try:
-            return self.lora_manager.resolve(lora_request)
-        except ValueError as exc:  # a LoRAError names the file, tensor or field
-            raise ParamError("lora_request", f"lora_request: {exc}") from None
 
     def submit(self, state: RequestState) -> None:
         """Queues a prepared request (only between steps)."""

@@ -16,6 +16,7 @@ import dataclasses
 import itertools
 import threading
 
+from engine.errors import ParamError
 from engine.lora_config import LoRARequest, parse_lora_modules
 from models.config import ModelConfig
 from models.lora import LoRAWeights, load_peft_adapter
@@ -116,3 +117,20 @@ class LoRAManager:
             while len(self._host) > self.max_cpu_loras:
                 self._host.popitem(last=False)
             return adapter
+
+
+def request_adapter(manager: LoRAManager | None, lora_request) -> LoadedAdapter | None:
+    """The LoadedAdapter a request runs with, None for the base model: lora_request is an
+    engine.LoRARequest, the name of a loaded adapter, or a LoadedAdapter the manager resolved
+    already (on another thread). Errors are ParamErrors naming lora_request."""
+    if lora_request is None:
+        return None
+    if manager is None:
+        raise ParamError("lora_request", "lora_request: this engine serves no LoRA adapters "
+                         "(start it with enable_lora=True)")
+    if isinstance(lora_request, LoadedAdapter):
+        return lora_request
+    try:
+        return manager.resolve(lora_request)
+    except ValueError as exc:  # a LoRAError names the file, tensor or field
+        raise ParamError("lora_request", f"lora_request: {exc}") from None
