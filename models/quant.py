@@ -201,11 +201,9 @@ def quantize_weight(w: jax.Array, method: str, *, activation_rows: int | None = 
     if method not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {method!r}")
     w = jnp.asarray(w)
-    w32 = w.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(w32), axis=-1)
-    scale = jnp.where(amax > 0, amax / _QMAX[method], 1.0)
-    q = _to_stored(w32 / scale[..., None], method)
-    return QuantizedWeight(q, scale, jnp.dtype(w.dtype).name, activation_rows, activation_group)
+    amax = jnp.max(jnp.abs(w.astype(jnp.float32)), axis=-1)
+    return quantize_with_amax(w, amax, method, activation_rows=activation_rows,
+                              activation_group=activation_group)
 
 
 def quantize_params(params: dict, method: str | None, *, activation_rows: int | None = None,
@@ -246,10 +244,12 @@ def is_quantized(w) -> bool:
     return isinstance(w, QuantizedWeight)
 
 
-def quantize_with_amax(w: jax.Array, amax: jax.Array, method: str, *, activation_rows: int | None = None) -> QuantizedWeight:
+def quantize_with_amax(w: jax.Array, amax: jax.Array, method: str, *, activation_rows: int | None = None,
+                       activation_group: int | None = None) -> QuantizedWeight:
     """quantize_weight with each output channel's max |w| given (amax float32 [..., o]): for a
     row held in pieces (an expert's down_proj split over devices, models/sharded_quant.py), the
     max of the whole row, so every piece gets the one-device scale."""
+    w = jnp.asarray(w)
     scale = jnp.where(amax > 0, amax / _QMAX[method], 1.0)
-    q = _to_stored(jnp.asarray(w).astype(jnp.float32) / scale[..., None], method)
-    return QuantizedWeight(q, scale, jnp.dtype(w.dtype).name, activation_rows)
+    q = _to_stored(w.astype(jnp.float32) / scale[..., None], method)
+    return QuantizedWeight(q, scale, jnp.dtype(w.dtype).name, activation_rows, activation_group)

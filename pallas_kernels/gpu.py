@@ -47,13 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import kv_quant, metadata, validation
-from pallas_kernels.gpu_tiles import (  # noqa: F401 (SHARED_MEMORY_LIMITS, shared_memory_bytes: this module's API too)
-    _MIN_ROWS,
-    SHARED_MEMORY_LIMITS,
-    row_chunk,
-    row_chunk_or_refuse,
-    shared_memory_bytes,
-)
+from pallas_kernels.gpu_tiles import _MIN_ROWS, row_chunk_or_refuse
 
 _TARGET_PROGRAMS = 256  # split-K fills roughly this many programs (about 2 per SM on an H100)
 _MAX_SPLITS = 16

@@ -108,13 +108,16 @@ class RunnerShapes:
         The scoring bucket (always ready: it compiles at start-up) serves a step whose logit rows
         no plain bucket holds. `lora_rank`: the highest rank of the step's adapters (with
         lora_ranks, the bucket's is the smallest that holds it)."""
-        if self.lora_ranks:
-            ranks = self.lora_ranks
-            rank = ranks[min(bisect.bisect_left(ranks, lora_rank), len(ranks) - 1)]
-            plain = dataclasses.replace(self, lora_ranks=())
-            ready_plain = None if ready is None else (lambda b: ready(dataclasses.replace(b, lora_rank=rank)))
-            return dataclasses.replace(plain.bucket_for(num_tokens, num_seqs, num_logits, ready_plain),
-                                       lora_rank=rank)
+        if not self.lora_ranks:
+            return self._shape_for(num_tokens, num_seqs, num_logits, ready)
+        ranks = self.lora_ranks
+        rank = ranks[min(bisect.bisect_left(ranks, lora_rank), len(ranks) - 1)]
+        ready_shape = None if ready is None else (lambda b: ready(dataclasses.replace(b, lora_rank=rank)))
+        return dataclasses.replace(self._shape_for(num_tokens, num_seqs, num_logits, ready_shape),
+                                   lora_rank=rank)
+
+    def _shape_for(self, num_tokens: int, num_seqs: int, num_logits: int | None, ready) -> Bucket:
+        """bucket_for without the LoRA rank (the bucket's shape)."""
         num_logits = num_seqs if num_logits is None else num_logits
         i = bisect.bisect_left(self.token_buckets, num_tokens)
         if i == len(self.token_buckets):

@@ -38,7 +38,7 @@ from jax.sharding import SingleDeviceSharding
 
 from experiments.lab.targets import compile_only_devices
 from pallas_kernels import (
-    gpu,
+    gpu_tiles,
     metadata,
     prepare_attention_metadata,
     ragged_paged_attention,
@@ -221,7 +221,7 @@ class TestTriton:
         tiles need 394 KB of shared memory, more than sm_80 (163 KiB) or sm_90 (227 KiB) have
         (RESOURCE_EXHAUSTED before); the kernel runs it as programs of 32 rows."""
         s = Shape("prefill", 128, 8, 1, 128, F32, num_blocks=16, max_model_len=256)
-        assert gpu.row_chunk(256, 128, 128, 4, full_precision=True) == 32
+        assert gpu_tiles.row_chunk(256, 128, 128, 4, full_precision=True) == 32
         _compile_and_check(s, "pallas_gpu", target)
 
     @pytest.mark.parametrize(
