@@ -31,16 +31,7 @@ block held; for a pool whose step is in flight they are queued and applied when 
 the caller never waits for a long prefill step. A decode-side
 preemption recomputes there (the moved blocks are likely still its prefix cache).
 
-Degraded mode: when the decode pool is lost (its process killed, its connection gone, its
-engine dead or its step raising), `degraded_reason` says why and the prefill engine decodes
-everything itself from then on. Each request in flight resumes there with the tokens it had
-returned so far (`Resume`), its prompt a prefix hit on the blocks the prefill pool still caches
-and the rest (the tokens made in the lost pool, whose KV is gone with it) recomputed; one still
-prefilling continues there once its first token comes. A seeded or greedy request gives the
-tokens it would have given (the rng step is the output index). A request the prefill engine
-cannot take fails with an error naming the lost pool. New requests are served there as by a
-colocated engine; /health says "degraded" with the reason and /metrics' `jaxserve:engine_degraded`
-is 1.
+Degraded mode (the decode pool lost: the prefill engine decodes everything itself): pd_degraded.py.
 """
 
 from __future__ import annotations
@@ -49,7 +40,6 @@ import collections
 import concurrent.futures
 import dataclasses
 import itertools
-import logging
 import threading
 import time
 
@@ -58,41 +48,19 @@ import jax
 from engine.config import EngineConfig
 from engine.core.engine_stats import EngineDeadError, EngineStats
 from engine.core.llm_engine import LLMEngine
-from engine.core.request_state import Resume
 from engine.disaggregation import pd_stats
 from engine.disaggregation.local_pool import DecodePool, failed_output
+from engine.disaggregation.pd_degraded import Decoding, DegradedMode, Pending
+from engine.disaggregation.pd_handover import Handover
 from engine.disaggregation.pd_stats import transfer_stats
 from engine.errors import ParamError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from scheduler import block_pool
-from scheduler.block_pool import hash_block_tokens
 
 POOLS = pd_stats.POOLS
-logger = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass
-class _Pending:
-    prompt_ids: list[int]
-    params: SamplingParams
-    arrival: float
-    kwargs: dict
-    base_seed: int
-    max_tokens: int  # what the request may still generate in all, capped by max_model_len
-
-
-@dataclasses.dataclass
-class _Decoding:
-    """A request handed to the decode pool: what it needs to resume elsewhere if that pool is lost."""
-
-    pending: _Pending
-    latest: RequestOutput  # the newest output returned for it (at first, its first tokens)
-    prompt_logprobs: list | None
-    first_token_time: float
-
-
-class PDEngine:
+class PDEngine(Handover, DegradedMode):
     def __init__(self, config: EngineConfig, *, progress: bool = True, devices=None, loaded=None):
         from engine.core.builder import load_for_mesh
         from engine.disaggregation.decode_pool import RemoteDecodePool
@@ -143,10 +111,10 @@ class PDEngine:
             getattr(self.decode, "engine", None), "compile_seconds", 0.0)
         self.block_size = config.block_size
         self.max_pending = pd.max_pending_transfers
-        self._prefilling: dict[str, _Pending] = {}
+        self._prefilling: dict[str, Pending] = {}
         self._ready: collections.OrderedDict[str, tuple] = collections.OrderedDict()  # prefilled, queued to move
-        self._decoding: dict[str, _Decoding] = {}  # handed to the decode pool
-        self._local: dict[str, _Pending] = {}  # degraded mode: decoded by the prefill engine itself
+        self._decoding: dict[str, Decoding] = {}  # handed to the decode pool
+        self._local: dict[str, Pending] = {}  # degraded mode: decoded by the prefill engine itself
         self.degraded_reason: str | None = None  # why the decode pool is lost (see the module docstring)
         self._lost_stats: EngineStats | None = None  # the lost decode pool's last stats, gauges zeroed
         self._failed: list[RequestOutput] = []  # requests that could not resume here, for the next step
@@ -200,7 +168,7 @@ class PDEngine:
         kwargs.setdefault("prompt_text", prompt if isinstance(prompt, str) else None)
         room = self.max_model_len - len(ids)
         base_seed = params.seed if params.seed is not None else self._seed + next(self._seed_counter)
-        pending = _Pending(ids, params, time.monotonic() if arrival_time is None else arrival_time, kwargs,
+        pending = Pending(ids, params, time.monotonic() if arrival_time is None else arrival_time, kwargs,
                            base_seed, room if params.max_tokens is None else min(params.max_tokens, room))
         # Validated now (bad input raises here); queued into the prefill scheduler when the pool
         # is between steps, so a long prefill step in flight never blocks the caller.
@@ -352,90 +320,6 @@ class PDEngine:
         except Exception as exc:  # this request fails; the pools serve on
             return failed_output(out, exc)
         return shown
-
-    def _gather(self, ids: list[int]):
-        """The prompt's full blocks, gathered from the prefill pool (idle now) and, in one
-        process, already on their way to the decode pool's devices: (hashes, k, v)."""
-        bs, hashes, parent = self.block_size, [], block_pool.ROOT_BLOCK_HASH
-        for i in range(len(ids) // bs):
-            parent = hash_block_tokens(parent, ids[i * bs : (i + 1) * bs])
-            hashes.append(parent)
-        lookup, source = self.prefill.scheduler.kv_cache_manager.pool.lookup, []
-        for h in hashes:  # the leading blocks still in the prefill pool's cache (all, normally)
-            block = lookup(h)
-            if block is None:
-                break
-            source.append(block)
-        if not source:
-            return [], None, None
-        k, v = self.gather.gather(source)
-        if isinstance(self.decode, DecodePool):
-            k, v = jax.device_put((k, v), self.decode.scatter.sharding)
-        self.clock.started(len(source), len(source) * self.gather.block_bytes, (k, v))
-        return hashes[: len(source)], k, v
-
-    def _land_handovers(self) -> list[RequestOutput]:
-        """Moves gathered requests into the decode pool while it is idle; failed outputs."""
-        failed = []
-        while (self._ready and self.degraded_reason is None and self._running["decode"] is None
-               and self.decode.num_pending < self.max_pending):
-            request_id, (pending, out, firsts, hashes, k, v) = self._ready.popitem(last=False)
-            try:
-                self._land(request_id, pending, out, firsts, hashes, k, v)
-            except EngineDeadError as exc:  # the decode pool is lost: this request resumes here too
-                self._degrade(exc)
-            except Exception as exc:  # this request fails; the pools serve on
-                if self._decoding.pop(request_id, None) is not None:
-                    self.decode.abort_request(request_id)
-                failed.append(failed_output(out, exc))
-        return failed
-
-    def _land(self, request_id: str, pending: _Pending, out: RequestOutput, firsts, hashes, k, v) -> None:
-        first_time = out.metrics.first_token_time or time.monotonic()
-        self._decoding[request_id] = _Decoding(pending, dataclasses.replace(out, outputs=firsts, finished=False),
-                                               out.prompt_logprobs, first_time)
-        landed = self.decode.hand_over(request_id, hashes, k, v, pending.prompt_ids, pending.params, pending.arrival,
-                                       base_seed=pending.base_seed,
-                                       resume=Resume(firsts, first_time, out.prompt_logprobs), **pending.kwargs)
-        if landed is False:
-            self.clock.fallback()  # the decode pool is full: it recomputes the prompt
-
-    # -- degraded mode (the module docstring) ---------------------------------------------------
-
-    def _degrade(self, exc: Exception) -> None:
-        """The decode pool is lost: every request that was moving or decoding resumes in the
-        prefill engine with the tokens it has returned; from now on that engine does all."""
-        if self.degraded_reason is not None:
-            return
-        self.degraded_reason = f"the decode pool is lost ({type(exc).__name__}: {exc}); the prefill pool decodes itself"
-        logger.error("disaggregation degraded: %s", self.degraded_reason)
-        last = self.decode.last_stats()
-        self._lost_stats = dataclasses.replace(last, num_running=0, num_waiting=0, kv_cache_usage=0.0,
-                                               num_free_blocks=0, num_cached_blocks=0) if last is not None else None
-        self.decode.abandon()
-        self._deferred["decode"] = []
-        moving = [(rid, d.pending, d.latest, d.prompt_logprobs, d.first_token_time) for rid, d in self._decoding.items()]
-        moving += [(rid, pending, dataclasses.replace(out, outputs=firsts, finished=False), out.prompt_logprobs,
-                    out.metrics.first_token_time or time.monotonic())
-                   for rid, (pending, out, firsts, *_) in self._ready.items()]
-        self._decoding.clear()
-        self._ready.clear()
-        self._failed += [f for f in (self._resume_here(*m) for m in moving) if f is not None]
-
-    def _resume_here(self, request_id: str, pending: _Pending, latest: RequestOutput, prompt_logprobs,
-                     first_time: float) -> RequestOutput | None:
-        """Queues the request in the prefill engine from its latest output; its failed output if
-        that engine refuses it."""
-        try:
-            state = self.prefill.prepare_request(
-                request_id, pending.prompt_ids, pending.params, pending.arrival, base_seed=pending.base_seed,
-                resume=Resume(list(latest.outputs), first_time, prompt_logprobs),
-                **pending.kwargs)
-        except Exception as exc:  # noqa: BLE001 - this request fails, saying why
-            return failed_output(latest, exc, f"{self.degraded_reason}, and it could not resume here")
-        self._deferred["prefill"].append(("add", request_id, state))
-        self._local[request_id] = pending
-        return None
 
     def wait_idle(self) -> None:
         """Waits for the pools' steps in flight (their outputs come with the next step())."""
