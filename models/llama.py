@@ -55,6 +55,13 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig
+from models.layer_loops import (
+    Static,
+    layer_index,
+    rank_in_kind,
+    served_product,
+    switch_scan,
+)
 from models.layers import (  # noqa: F401  (apply_rope, rope_inv_freq, rms_norm: the public names)
     apply_rope,
     dense_causal_attention,
@@ -69,18 +76,6 @@ from models.moe import grouped_product, load_callback, moe_mlp
 from models.served_layout import num_layers_of, unpack_layer
 from pallas_kernels import prepare_attention_metadata, ragged_paged_attention, write_kv
 from pallas_kernels.kv_quant import ScaledCache, fake_quantize_kv
-
-# The served layout's products, as the lax.switch branches of `_switch_scan` run them.
-SERVED_PRODUCTS = {"qkv_proj": "te,ne->tn", "o_proj": "tn,en->te", "gate_up_proj": "te,ne->tn",
-                   "down_proj": "tf,ef->te", "router": "te,ne->tn"}
-GROUPED_PRODUCTS = ("experts_gate_up", "experts_down")  # (rows, group_sizes) -> rows' outputs
-
-
-def served_product(name: str, *args, w):
-    if name in GROUPED_PRODUCTS:
-        rows, group_sizes = args
-        return grouped_product(rows, w, group_sizes)
-    return proj(SERVED_PRODUCTS[name], *args, w)
 
 
 class _Model:
@@ -124,7 +119,7 @@ class _Model:
         the step's LoRA deltas added to layer `index`'s products, models/lora.py)."""
         config = self.config
         if self.lora is not None:
-            product = self.lora.wrap(product, _layer_index(index))
+            product = self.lora.wrap(product, layer_index(index))
 
         def qkv(h):
             return self.split_qkv(product("qkv_proj", h), small.get("bqkv"))
@@ -170,7 +165,7 @@ class _Model:
 
     def moe(self, h, logits, gate_up, down, small, index):
         config = self.config
-        record = load_callback(_layer_index(index), self.num_tokens, config.num_experts, self.tp_axis is not None)
+        record = load_callback(layer_index(index), self.num_tokens, config.num_experts, self.tp_axis is not None)
         num_local = small.get("experts_local", config.num_experts)
         if "experts_gate_up" in small:
             num_local = small["experts_gate_up"].shape[0]
@@ -223,7 +218,7 @@ class _Model:
                               functools.partial(attend, index=index))
 
         if isinstance(layers, list) and scan_layers:
-            return _switch_scan(x, cache, layers, p, lambda carry, small, product, index: step(
+            return switch_scan(x, cache, layers, p, lambda carry, small, product, index: step(
                 carry, small, self.served_ops(product, small, index), index))
         if isinstance(layers, list):
             for index, layer in enumerate(layers):
@@ -236,7 +231,7 @@ class _Model:
                 layer = unpack_layer({k: jax.tree.map(functools.partial(
                     jax.lax.dynamic_index_in_dim, index=index, keepdims=False), w)
                     for k, w in layers.items()}, dtype)
-                carry = step(carry, layer, self.loader_ops(layer, _Static(index, j)), _Static(index, j))
+                carry = step(carry, layer, self.loader_ops(layer, Static(index, j)), Static(index, j))
             return carry, None
 
         carry = (x, cache)
@@ -246,31 +241,6 @@ class _Model:
             layer = unpack_layer({k: jax.tree.map(lambda a, i=index: a[i], w) for k, w in layers.items()}, dtype)
             carry = step(carry, layer, self.loader_ops(layer, index), index)
         return carry
-
-
-class _Static(int):
-    """A layer index inside a group scan: traced (`value`) for the cache, static modulo p."""
-
-    def __new__(cls, traced, position: int):
-        obj = super().__new__(cls, position)
-        obj.traced = traced
-        return obj
-
-
-def _layer_index(index):  # the cache's layer index (traced in a scan)
-    return index.traced if isinstance(index, _Static) else index
-
-
-def _rank_in_kind(config: ModelConfig, index, kind: str):
-    """A layer's index in its kind's cache group (a two-group cache, engine/step/kv_cache.py): the
-    layers of its kind before it. In a group scan (index a _Static: traced g * p + j, static j) that
-    is g times the kind's layers per period plus those before position j."""
-    kinds = config.layer_kinds
-    if isinstance(index, _Static):
-        period = kinds[: config.layer_period]
-        return (index.traced // len(period) * period.count(kind)
-                + period[: int(index)].count(kind))
-    return kinds[:index].count(kind)
 
 
 def forward_dense(params: dict, config: ModelConfig, token_ids: jax.Array,
@@ -337,7 +307,7 @@ def forward_paged(
 
     Layers: a stacked `params["layers"]` runs as a lax.scan over the stacked weights with the
     cache in the carry. A list runs as a lax.scan over the layer index with `scan_layers`, whose
-    body picks each layer's weight products with lax.switch (`_switch_scan`: every layer keeps
+    body picks each layer's weight products with lax.switch (`switch_scan`: every layer keeps
     its own buffers, read in place), and is unrolled without it. Both scans compile one layer
     group whatever the depth; XLA:CPU copies a stacked layer's slice out before every dot, so the
     engine scans a list on the CPU (engine/config.py STACK_LAYER_WEIGHTS).
@@ -376,7 +346,7 @@ def forward_paged(
         window = config.window_of(kind)
         group = 2 if two_groups and window is not None else 0  # its (k, v) pair in `cache`
         k_cache, v_cache = cache[group], cache[group + 1]
-        index = _rank_in_kind(config, index, kind) if two_groups else _layer_index(index)
+        index = rank_in_kind(config, index, kind) if two_groups else layer_index(index)
         k_cache, v_cache = write_kv(k_cache, v_cache, k, v, slots[window], layer=index,
                                     backend=attention_backend, interpret=interpret)
         attn = ragged_paged_attention(
@@ -397,50 +367,6 @@ def forward_paged(
     if return_hidden:
         return kv_cache, logits, hidden
     return kv_cache, logits
-
-
-def _switch_scan(x, cache, layers: list, period: int, step):
-    """The layers as a lax.scan over groups of `period` layers, each layer's weights in its own
-    buffers.
-
-    Each weight product is a lax.switch over one branch per layer holding that product alone,
-    so every branch reads its layer's matrix in place (a scan over stacked weights slices each
-    layer's out, a copy XLA:CPU makes before every dot) and the branches are library calls,
-    cheap to compile; the norms, RoPE, attention, cache writes and activations are in the body,
-    compiled once per position of the group, with the layer's norm weights and bias (small)
-    stacked and indexed. The tensor-parallel all-reduces stay outside the branches. Layers past
-    the last whole group run after the scan. Served layout only."""
-    products = [name for name in (*SERVED_PRODUCTS, *GROUPED_PRODUCTS) if name in layers[0]]
-    if "qkv_proj" not in products or "o_proj" not in products:
-        raise ValueError("the switch layer scan runs the served layout (models/served_layout.py "
-                         f"fuse_projections); got layer weights {sorted(layers[0])}")
-    branches = {name: [functools.partial(served_product, name, w=layer[name]) for layer in layers]
-                for name in products}
-    small = {name: jnp.stack([layer[name] for layer in layers])
-             for name in layers[0] if name not in products}
-    n = len(layers)
-    full = n - n % period
-    local = layers[0]["experts_gate_up"].shape[0] if "experts_gate_up" in layers[0] else None
-
-    def run(carry, index, position):
-        product = lambda name, *a: jax.lax.switch(index, branches[name], *a)  # noqa: E731
-        rows = {name: a[index] for name, a in small.items()}
-        if local is not None:
-            rows["experts_local"] = local
-        model_index = _Static(index, position) if not isinstance(index, int) else index
-        return step(carry, rows, product, model_index)
-
-    def body(carry, g):
-        for j in range(period):
-            carry = run(carry, g * period + j, j)
-        return carry, None
-
-    carry = (x, cache)
-    if full:
-        carry, _ = jax.lax.scan(body, carry, jnp.arange(full // period, dtype=jnp.int32))
-    for index in range(full, n):
-        carry = run(carry, index, index % period)
-    return carry
 
 
 def _embed_vocab_parallel(embed: jax.Array, token_ids: jax.Array, axis, scale: bool = False) -> jax.Array:

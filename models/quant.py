@@ -57,7 +57,7 @@ QUANTIZATIONS = ("int8", "fp8")
 # faster per row, so the engine uses per-row scales (BUILD_NOTES.md "Quantization").
 _QMAX = {"int8": 127.0, "fp8": 448.0}
 _STORED = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
-# The served layout's weight matrices that are quantized (models/llama.py SERVED_PRODUCTS and
+# The served layout's weight matrices that are quantized (models/layer_loops.py SERVED_PRODUCTS and
 # GROUPED_PRODUCTS, plus the tables); the router stays float.
 QUANTIZED_LAYER_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "experts_gate_up",
                            "experts_down")
