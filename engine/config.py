@@ -190,16 +190,12 @@ class EngineConfig:
                              f"{self.tensor_parallel_size}, data_parallel_size={self.data_parallel_size}, "
                              f"num_processes={self.num_processes}): its Q8_0 tables are placed on one device; "
                              "int8 and fp8 shard")
-        for name, value, default in (("quantization", self.quantization, None),
-                                     ("kv_cache_dtype", self.kv_cache_dtype, "auto")):
-            if value == default:
-                continue
-            # Tensor and data parallelism and multi-host meshes shard the quantized weights and
-            # the 8-bit cache (models/sharded_quant.py). Not implemented: disaggregation (its KV
-            # transfers move no scales).
-            if self.disaggregation is not None:
-                raise ValueError(f"EngineConfig.{name}={value!r} is not implemented with disaggregation "
-                                 "(its KV transfers move no scales)")
+        # Tensor and data parallelism, multi-host meshes and disaggregation (each pool's engine
+        # quantizes its own copy; the KV handover moves an 8-bit cache's scales with its values,
+        # engine/disaggregation/kv_transfer.py) all serve int8 / fp8 weights and the 8-bit cache.
+        if self.quantization == "gguf" and self.disaggregation is not None:
+            raise ValueError("EngineConfig.quantization='gguf' is not implemented with disaggregation: its "
+                             "Q8_0 tables are placed on one device, each pool has its own mesh; int8 and fp8 are")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:

@@ -52,6 +52,7 @@ class RemoteDecodePool:
     def __init__(self, address: str, pool_config, buckets: tuple[int, ...], source_runner):
         from multiprocessing.connection import Client
 
+        import jax
         from jax.experimental import transfer
 
         host, port = split_address(address)
@@ -67,7 +68,7 @@ class RemoteDecodePool:
                                      f"answered in {CONNECT_TIMEOUT_S:.0f} s ({exc}); start `python -m "
                                      f"engine.disaggregation.decode_pool --listen={address}` there") from None
                 time.sleep(0.2)
-        client = next(iter(source_runner.kv_cache[0].devices())).client  # (a shared set: never mutate it)
+        client = next(iter(jax.tree.leaves(source_runner.kv_cache)[0].devices())).client  # (a shared set: never mutate it)
         self._server = transfer.start_transfer_server(client, f"{host}:0", [f"{host}:0"])
         self._lock = threading.Lock()
         self._uuids = itertools.count(1)
@@ -148,6 +149,8 @@ class RemoteDecodePool:
         return True
 
     def step(self) -> list:
+        from engine.disaggregation.kv_transfer import bucket_of, moved_leaves
+
         (outputs, pinned, (self.pull_seconds, self.num_pulled), pulled, self._stats, accepted,
          self.num_fallbacks) = self._call("step")
         for uuid in pulled:
@@ -157,8 +160,8 @@ class RemoteDecodePool:
             if wanted:  # also for a request aborted since: its blocks are registered there
                 uuid = next(self._uuids)
                 self._inflight[uuid] = kv
-                self._server.await_pull(uuid, list(kv))
-                self._send("write", uuid, request_id, kv[0].shape[1])
+                self._server.await_pull(uuid, moved_leaves(kv))
+                self._send("write", uuid, request_id, bucket_of(kv))
         self._pinned = set(pinned)
         for out in outputs:
             if out.finished:

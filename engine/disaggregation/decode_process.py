@@ -46,9 +46,8 @@ def serve(listen: str) -> None:
 
         def pull(uuid: int, bucket: int):  # on the puller thread, while steps run
             start = time.perf_counter()
-            shape = jax.ShapeDtypeStruct(pool.scatter.shape(bucket), pool.scatter.dtype,
-                                         sharding=pool.scatter.sharding)
-            k, v = peer.pull(uuid, [shape, shape])
+            abstract = pool.scatter.abstract(bucket)  # (k, v): arrays, or an 8-bit cache's values and scales
+            k, v = jax.tree.unflatten(jax.tree.structure(abstract), peer.pull(uuid, jax.tree.leaves(abstract)))
             jax.block_until_ready((k, v))
             return k, v, time.perf_counter() - start
 

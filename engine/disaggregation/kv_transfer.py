@@ -5,6 +5,8 @@ halves compile every bucket at start-up, so nothing compiles while serving:
 
 - `KVGather` (the prefill pool): `k[:, ids]`, `v[:, ids]` -> [L, n, block_size, Hkv, D] each, in the
   source cache's sharding (split on KV heads under tensor parallelism); padding gathers block 0.
+  An 8-bit cache (pallas_kernels/kv_quant.py ScaledCache) moves its values and its per-token
+  scales ([L, n, block_size, Hkv]) alike: every function here maps over the cache's arrays.
 - `KVScatter` (the decode pool): writes such arrays into its cache (donated, so in place); padded
   positions carry an out-of-range block id and are dropped.
 
@@ -47,13 +49,24 @@ def block_buckets(max_blocks: int) -> tuple[int, ...]:
 
 
 def gather_blocks(k, v, ids):
-    """Blocks `ids` of every layer: k[:, ids], v[:, ids] (KVGather's program)."""
-    return k[:, ids], v[:, ids]
+    """Blocks `ids` of every layer: k[:, ids], v[:, ids] (KVGather's program; each array of an
+    8-bit cache alike)."""
+    return jax.tree.map(lambda a: a[:, ids], (k, v))
 
 
 def scatter_blocks(k, v, new_k, new_v, ids):
     """new_k, new_v written at blocks `ids`; out-of-range ids are dropped (KVScatter's program)."""
-    return k.at[:, ids].set(new_k, mode="drop"), v.at[:, ids].set(new_v, mode="drop")
+    return jax.tree.map(lambda a, b: a.at[:, ids].set(b, mode="drop"), (k, v), (new_k, new_v))
+
+
+def moved_leaves(kv) -> list[jax.Array]:
+    """The arrays of a gathered (k, v) in a fixed order (what a transfer between processes moves)."""
+    return jax.tree.leaves(kv)
+
+
+def bucket_of(kv) -> int:
+    """The number of blocks a gathered (k, v) holds (its bucket)."""
+    return moved_leaves(kv)[0].shape[1]
 
 
 def _replicated_like(array):
@@ -66,20 +79,21 @@ def _replicated_like(array):
 class KVGather:
     def __init__(self, runner, buckets: tuple[int, ...]):
         self.runner, self.buckets = runner, buckets
-        k = runner.kv_cache[0]
-        self._ids = _replicated_like(k)
-        self.block_bytes = 2 * k.dtype.itemsize * k.size // k.shape[1]
+        arrays = jax.tree.leaves(runner.kv_cache)
+        self._ids = _replicated_like(arrays[0])
+        self.block_bytes = sum(a.dtype.itemsize * a.size // a.shape[1] for a in arrays)  # K and V (and scales)
         # Out in the cache's own sharding (split on KV heads under TP), as the decode cache is:
         # a pull from another process asks for exactly that layout, shard by shard.
-        self._gather = jax.jit(gather_blocks, out_shardings=(k.sharding, k.sharding))
+        self._gather = jax.jit(gather_blocks, out_shardings=jax.tree.map(lambda a: a.sharding, runner.kv_cache))
         for n in buckets:
             jax.block_until_ready(self.gather(np.zeros(n, np.int32)))
 
     def bucket(self, num_blocks: int) -> int:
         return next(b for b in self.buckets if b >= num_blocks)
 
-    def gather(self, source_ids) -> tuple[jax.Array, jax.Array]:
-        """The blocks `source_ids`, padded to their bucket with block 0."""
+    def gather(self, source_ids) -> tuple:
+        """The blocks `source_ids`, padded to their bucket with block 0: (k, v), each an array or
+        a ScaledCache of arrays."""
         ids = np.zeros(self.bucket(len(source_ids)), np.int32)
         ids[: len(source_ids)] = source_ids
         return self._gather(*self.runner.kv_cache, jax.device_put(ids, self._ids))
@@ -88,23 +102,27 @@ class KVGather:
 class KVScatter:
     def __init__(self, runner, buckets: tuple[int, ...]):
         self.runner = runner
-        k = runner.kv_cache[0]
-        self.sharding, self._ids = k.sharding, _replicated_like(k)
-        self.num_blocks, self.block_shape, self.dtype = k.shape[1], (k.shape[0], *k.shape[2:]), k.dtype
-        self._scatter = jax.jit(scatter_blocks, donate_argnums=(0, 1),
-                                out_shardings=(self.sharding, self.sharding))
+        cache = runner.kv_cache
+        self.shardings = jax.tree.map(lambda a: a.sharding, cache)  # (k, v) as the cache holds them
+        self._ids = _replicated_like(jax.tree.leaves(cache)[0])
+        self.num_blocks = jax.tree.leaves(cache)[0].shape[1]
+        self._template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), cache)
+        self._scatter = jax.jit(scatter_blocks, donate_argnums=(0, 1), out_shardings=self.shardings)
         for n in buckets:  # all-padding writes change nothing
-            zeros = jax.device_put(np.zeros(self.shape(n), self.dtype), self.sharding)
-            self.write([], zeros, zeros)
+            zeros = jax.tree.map(lambda s: jax.device_put(np.zeros(s.shape, s.dtype), s.sharding), self.abstract(n))
+            self.write([], *zeros)
         jax.block_until_ready(runner.kv_cache)
 
-    def shape(self, bucket: int) -> tuple[int, ...]:
-        layers, *rest = self.block_shape
-        return (layers, bucket, *rest)
+    def abstract(self, bucket: int):
+        """(k, v) of `bucket` blocks as ShapeDtypeStructs on this cache's sharding (what a pull
+        from another process asks for)."""
+        return jax.tree.map(
+            lambda a, sharding: jax.ShapeDtypeStruct((a.shape[0], bucket, *a.shape[2:]), a.dtype, sharding=sharding),
+            self._template, self.shardings)
 
-    def write(self, dest_ids, k: jax.Array, v: jax.Array) -> None:
+    def write(self, dest_ids, k, v) -> None:
         """Writes k, v (a bucket of blocks, on this cache's sharding) into blocks `dest_ids`."""
-        ids = np.full(k.shape[1], self.num_blocks, np.int32)  # out of range: dropped
+        ids = np.full(bucket_of((k, v)), self.num_blocks, np.int32)  # out of range: dropped
         ids[: len(dest_ids)] = dest_ids
         self.runner.kv_cache = self._scatter(*self.runner.kv_cache, k, v, jax.device_put(ids, self._ids))
 

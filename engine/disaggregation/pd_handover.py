@@ -39,7 +39,7 @@ class Handover:
             return [], None, None
         k, v = self.gather.gather(source)
         if isinstance(self.decode, DecodePool):
-            k, v = jax.device_put((k, v), self.decode.scatter.sharding)
+            k, v = jax.device_put((k, v), self.decode.scatter.shardings)
         self.clock.started(len(source), len(source) * self.gather.block_bytes, (k, v))
         return hashes[: len(source)], k, v
 
