@@ -21,7 +21,13 @@ one request at a time, on ShareGPT prompts and output lengths.
 for every N and dtype the median output tokens/s of `--repeats` runs. The engines of all dtypes
 are built first and the runs interleave (N, repeat, dtype), so the dtypes share the machine's
 conditions. `--prompt_len=P` (> 0) cuts or repeats each prompt's ids to exactly P tokens.
-`--profile` adds the per-bucket step profile (experiments/lab/step_profiler.py) of one more run per N.
+`--profile` adds the per-bucket step profile (experiments/lab/step_profiler.py) of one more run per N;
+`--op_profile` with it traces that run and splits its device time by op class (op_profile.py).
+`--dataset=random`: `--num_prompts` prompts of `--prompt_len` random token ids (128 when 0), each
+generating `--output_len` tokens (greedy, ignore_eos), all added at once to an engine of
+`--max_num_seqs` rows: with --max_num_seqs=16 a closed loop of 16 clients, vLLM's random 128/64
+(the prompts' prefill chunks enter beside the running decodes as requests finish). One timed
+run, then with --profile one profiled run.
 `--expert_load` (a mixture of experts, e.g. --model=random:small-moe) builds a second engine whose
 steps report each MoE layer's assignments per expert (models/moe.ExpertLoadRecorder; the timed
 engine has no such callback) and adds one run per N on it, with N distinct random-token prompts
@@ -39,7 +45,7 @@ import time
 
 from absl import app, flags
 
-_DATASET = flags.DEFINE_enum("dataset", "sharegpt", ["sharegpt", "fixed"], "workload")
+_DATASET = flags.DEFINE_enum("dataset", "sharegpt", ["sharegpt", "fixed", "random"], "workload")
 _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 200, "sharegpt: requests in the batched arm")
 _NUM_SEQUENTIAL = flags.DEFINE_integer("num_sequential", 24, "sharegpt: requests in the one-at-a-time arm (a prefix)")
 _MAX_PROMPT_LEN = flags.DEFINE_integer("max_prompt_len", 256, "sharegpt: drop prompts longer than this")
@@ -52,6 +58,8 @@ _DTYPES = flags.DEFINE_list("dtypes", [], "fixed: dtypes to compare (default: th
                             "DTYPE:QUANTIZATION[:KV_CACHE_DTYPE] quantizes too, e.g. float32:int8, "
                             "float32:int8:int8, float32::int8 (EngineConfig.quantization, kv_cache_dtype)")
 _PROFILE = flags.DEFINE_boolean("profile", False, "also print the per-bucket step profile")
+_OP_PROFILE = flags.DEFINE_boolean("op_profile", False, "with --profile: also trace the profiled run and print "
+                                   "its device time by op class (experiments/lab/op_profile.py)")
 _EXPERT_LOAD = flags.DEFINE_boolean("expert_load", False, "fixed, a mixture of experts: also one run per N on "
                                     "an engine recording each step's expert loads (experiments/bench/expert_load.py)")
 _MODEL = flags.DEFINE_string("model", "default", "model spec")
@@ -111,8 +119,6 @@ def run_generate(llm, prompts, output_len: int) -> dict:
 
 
 def main_fixed() -> dict:
-    from experiments.lab.step_profiler import StepProfiler
-
     counts = [int(n) for n in _NUM_REQUESTS.value]
     dtypes = _DTYPES.value or [None]
     llms = {}
@@ -151,13 +157,10 @@ def main_fixed() -> dict:
         result["profile"] = {}
         for d, llm in llms.items():
             for n in counts:
-                profiler = StepProfiler().attach(llm.engine)
-                run_generate(llm, fixed_prompts(llm.engine.tokenizer, n, _PROMPT_LEN.value), _OUTPUT_LEN.value)
-                del llm.engine.step  # detach: back to the class's step
-                llm.engine.runner.profile = None
                 print(f"\nprofile: {d}, N={n} x {_OUTPUT_LEN.value} tokens (medians, ms)")
-                print(profiler.table())
-                result["profile"][f"{d}/{n}"] = profiler.rows()
+                prompts = fixed_prompts(llm.engine.tokenizer, n, _PROMPT_LEN.value)
+                result["profile"][f"{d}/{n}"] = profiled(
+                    llm.engine, lambda llm=llm, prompts=prompts: run_generate(llm, prompts, _OUTPUT_LEN.value))
     if _EXPERT_LOAD.value:
         result["expert_load"] = expert_load_runs(counts, dtypes[0])
     return result
@@ -269,11 +272,60 @@ def main_sharegpt() -> dict:
     return result
 
 
+def profiled(engine, run) -> dict:
+    """run() under the step profiler (and the op profile with --op_profile); prints both."""
+    from experiments.lab.op_profile import OpProfile
+    from experiments.lab.step_profiler import StepProfiler
+
+    profiler = StepProfiler().attach(engine)
+    if _OP_PROFILE.value:
+        with OpProfile(engine) as ops:
+            run()
+    else:
+        run()
+    del engine.step  # detach: back to the class's step
+    engine.runner.profile = None
+    print(profiler.table())
+    out = {"steps": profiler.rows()}
+    if _OP_PROFILE.value:
+        print("\ndevice time by op class (own time of each XLA op, summed over the run)")
+        print(ops.table())
+        out["op_classes"] = ops.rows()
+    return out
+
+
+def main_random() -> dict:
+    import numpy as np
+
+    from engine import SamplingParams
+
+    engine = build_llm((_DTYPES.value or [None])[0]).engine
+    prompt_len = _PROMPT_LEN.value or 128
+    rng = np.random.default_rng(0)
+    samples = [(rng.integers(0, engine.model_config.vocab_size, prompt_len).tolist(), _OUTPUT_LEN.value)
+               for _ in range(_NUM_PROMPTS.value)]
+    params_for = lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    run_arm(engine, samples[:2], params_for)  # warm-up
+    compiles_before = engine.get_stats().num_compilations
+    timed = run_arm(engine, samples, params_for)
+    result = {"command": "python -m experiments.bench.offline " + _flags_line(
+        "dataset", "model", "num_prompts", "prompt_len", "output_len", "dtypes", "max_num_seqs",
+        "max_num_batched_tokens", "token_buckets", "seq_buckets"),
+        "platform": _platform(), "model": engine.model_name, "dtype": engine.dtype, "timed": timed,
+        "compilations_during_run": engine.get_stats().num_compilations - compiles_before}
+    print(f"random {prompt_len}/{_OUTPUT_LEN.value}, {len(samples)} requests, {_MAX_NUM_SEQS.value} rows: "
+          f"{timed['output_tokens_per_s']:.1f} output tok/s over {timed['steps']} steps "
+          f"({timed['seconds']:.1f} s; compilations during the run: {result['compilations_during_run']})")
+    if _PROFILE.value:
+        print("\nprofile (medians, ms)")
+        result["profile"] = profiled(engine, lambda: run_arm(engine, samples, params_for))
+    return result
+
+
 def main(argv) -> None:
     del argv
-    result = main_fixed() if _DATASET.value == "fixed" else main_sharegpt()
-    path = _RESULT_JSON.value or ("experiments/results/bench_offline_fixed.json" if _DATASET.value == "fixed"
-                                  else "experiments/results/bench_offline.json")
+    result = {"fixed": main_fixed, "random": main_random}.get(_DATASET.value, main_sharegpt)()
+    path = _RESULT_JSON.value or f"experiments/results/bench_offline_{_DATASET.value}.json".replace("_sharegpt", "")
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         json.dump(result, f, indent=1, default=str)
