@@ -23,7 +23,7 @@ scheduler/sliding_window.py). The sliding pool is sized for what a running batch
 An 8-bit cache (kv_cache_dtype "int8" or "fp8_e4m3", vLLM's names) is, for each of K and V, a
 ScaledCache: the values [L, num_blocks, block_size, Hkv, D] in 8 bits and one bfloat16 scale per
 token and kv head [L, num_blocks, block_size, Hkv] (pallas_kernels/kv_quant.py); its bytes per
-token, scales counted, size the pool.
+token, scales counted (models/kv_bytes.py), size the pool.
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from models import kv_bytes
 from models.config import ModelConfig
-from pallas_kernels.kv_quant import ScaledCache, allocate_scaled, bytes_per_value_and_scale
+from pallas_kernels.kv_quant import ScaledCache, allocate_scaled
 
 
 def cache_groups(config: ModelConfig, num_blocks: int, num_sliding_blocks: int) -> tuple[int, int, str]:
@@ -52,12 +53,10 @@ def cache_groups(config: ModelConfig, num_blocks: int, num_sliding_blocks: int) 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: str, kv_cache_dtype: str = "auto",
                        num_layers: int | None = None) -> int:
-    """K and V bytes of one token over all layers (or `num_layers` of them): the model dtype's,
-    or an 8-bit cache's values plus their scales (one per token and kv head,
-    pallas_kernels/kv_quant.py)."""
-    per_head = bytes_per_value_and_scale(kv_cache_dtype, jnp.dtype(dtype).itemsize, config.head_dim)
-    layers = config.num_layers if num_layers is None else num_layers
-    return 2 * layers * config.num_kv_heads * int(per_head)
+    """K and V bytes of one token over all layers (or `num_layers` of them): the model dtype's
+    (`dtype` by name), or an 8-bit cache's values plus their scales; the rule is
+    models/kv_bytes.py's."""
+    return kv_bytes.kv_bytes_per_token(config, jnp.dtype(dtype).itemsize, kv_cache_dtype, num_layers)
 
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: str, kv_cache_dtype: str = "auto",
