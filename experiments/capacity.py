@@ -62,6 +62,7 @@ from experiments.lab.capacity_report import CapacityReport, DecodePoint, format_
 from experiments.lab.device_probe import Probe, measure_device
 from models.config import ModelConfig, preset_config
 from models.kv_bytes import KV_CACHE_DTYPES, kv_bytes_per_token
+from scheduler.sliding_window import window_blocks
 
 # The engine's own defaults for the cache (block size, memory fraction, the CPU byte budget).
 ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
@@ -140,15 +141,15 @@ def kv_bytes_held(config: ModelConfig, num_tokens: int, itemsize: int, block_siz
                   sliding_groups: bool = True, kv_cache_dtype: str = "auto") -> int:
     """KV bytes one request of num_tokens holds between steps: every layer's blocks with one group;
     with a group per layer kind (sliding_groups, a model mixing windows) the sliding layers hold
-    only the blocks their window reads (scheduler/sliding_window.py). An 8-bit cache counts its
-    values and scales (kv_bytes_per_token)."""
+    only the blocks their window reads (scheduler/sliding_window.window_blocks). An 8-bit cache
+    counts its values and scales (kv_bytes_per_token)."""
     blocks = blocks_for(num_tokens, block_size)
     per_layer_block = block_size * kv_bytes_per_token(config, itemsize, kv_cache_dtype) // config.num_layers
     if not (sliding_groups and config.has_sliding_layers):
         return blocks * config.num_layers * per_layer_block
-    window_blocks = min(blocks, blocks_for(config.sliding_window - 1, block_size) + 1)
+    held = min(blocks, window_blocks(config.sliding_window, block_size))
     return per_layer_block * (blocks * config.num_layers_of_kind("full_attention")
-                              + window_blocks * config.num_layers_of_kind("sliding_attention"))
+                              + held * config.num_layers_of_kind("sliding_attention"))
 
 
 def requests_that_fit(num_blocks: int, lengths: Sequence[int], block_size: int,
