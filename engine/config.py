@@ -14,6 +14,7 @@ import os
 from engine.disaggregation_config import DisaggregationConfig
 from engine.lora_config import check_lora_config
 from engine.speculative_config import SpeculativeConfig
+from models.kv_bytes import KV_CACHE_DTYPES
 from scheduler.config import KV_ALLOCATIONS, POLICIES
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -173,7 +174,6 @@ class EngineConfig:
 
     def _check_quantization(self) -> None:
         from models.quant import QUANTIZATIONS  # jax: only once a config is built
-        from pallas_kernels.kv_quant import KV_CACHE_DTYPES
 
         _choice("quantization", self.quantization, (*QUANTIZATIONS, "gguf"), allow_none=True)
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)

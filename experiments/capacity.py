@@ -8,8 +8,8 @@
 2. Memory: weight bytes = parameters x the dtype's size, or with `quantization` (int8, fp8) the
    quantized matrices at 1 byte plus a float32 scale per output row; KV bytes per token
    2 x layers x KV heads x head_dim x size, or with an 8-bit `kv_cache_dtype` (int8, fp8_e4m3)
-   head_dim bytes plus a bfloat16 scale per token and KV head (experiments/lab/capacity_bytes.py,
-   the same bytes the engine allocates). The KV budget is
+   head_dim bytes plus a bfloat16 scale per token and KV head (models/kv_bytes.py, the rule the
+   engine allocates by; weights: experiments/lab/capacity_bytes.py). The KV budget is
    what the engine would give the cache (engine/step/kv_cache.py): on an accelerator
    `kv_cache_memory_fraction` of the memory JAX may use (`memory_fraction` of HBM: 0.75 on a GPU,
    JAX's default preallocation) less the weights; on the CPU the `kv_cache_bytes` budget.
@@ -39,9 +39,9 @@ Where it lives: steps 1-5 (`capacity()`), the comparison with a measured concurr
 (`compare_with_measured`) and the command line are here; the device figures (`DEVICES`, and
 `device_from_probe` for this machine) are in experiments/lab/capacity_devices.py; the report
 (`CapacityReport`, `DecodePoint`) and its text and plot (`format_report`, `plot`) are in
-experiments/lab/capacity_report.py; bytes per weight and per KV token by dtype in
-experiments/lab/capacity_bytes.py. Every name is importable from this module (the notebook's
-`from experiments import capacity`).
+experiments/lab/capacity_report.py; bytes per weight by dtype in experiments/lab/capacity_bytes.py,
+per KV token in models/kv_bytes.py (neither imports jax). Every name is importable from this
+module (the notebook's `from experiments import capacity`).
 """
 
 from __future__ import annotations
@@ -56,17 +56,13 @@ from collections.abc import Sequence
 from absl import app, flags
 
 from engine.config import EngineConfig
-from experiments.lab.capacity_bytes import (
-    KV_CACHE_DTYPES,
-    QUANTIZATIONS,
-    kv_bytes_per_token,
-    untied_embedding_bytes,
-    weight_bytes,
-)
+from experiments.lab.capacity_bytes import QUANTIZATIONS, untied_embedding_bytes, weight_bytes
 from experiments.lab.capacity_devices import DEVICES, GB, DeviceSpec, device_from_probe, device_spec
 from experiments.lab.capacity_report import CapacityReport, DecodePoint, format_report, plot
 from experiments.lab.device_probe import Probe, measure_device
 from models.config import ModelConfig, preset_config
+from models.kv_bytes import KV_CACHE_DTYPES, kv_bytes_per_token
+from scheduler.sliding_window import window_blocks
 
 # The engine's own defaults for the cache (block size, memory fraction, the CPU byte budget).
 ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
@@ -145,15 +141,15 @@ def kv_bytes_held(config: ModelConfig, num_tokens: int, itemsize: int, block_siz
                   sliding_groups: bool = True, kv_cache_dtype: str = "auto") -> int:
     """KV bytes one request of num_tokens holds between steps: every layer's blocks with one group;
     with a group per layer kind (sliding_groups, a model mixing windows) the sliding layers hold
-    only the blocks their window reads (scheduler/sliding_window.py). An 8-bit cache counts its
-    values and scales (kv_bytes_per_token)."""
+    only the blocks their window reads (scheduler/sliding_window.window_blocks). An 8-bit cache
+    counts its values and scales (kv_bytes_per_token)."""
     blocks = blocks_for(num_tokens, block_size)
     per_layer_block = block_size * kv_bytes_per_token(config, itemsize, kv_cache_dtype) // config.num_layers
     if not (sliding_groups and config.has_sliding_layers):
         return blocks * config.num_layers * per_layer_block
-    window_blocks = min(blocks, blocks_for(config.sliding_window - 1, block_size) + 1)
+    held = min(blocks, window_blocks(config.sliding_window, block_size))
     return per_layer_block * (blocks * config.num_layers_of_kind("full_attention")
-                              + window_blocks * config.num_layers_of_kind("sliding_attention"))
+                              + held * config.num_layers_of_kind("sliding_attention"))
 
 
 def requests_that_fit(num_blocks: int, lengths: Sequence[int], block_size: int,

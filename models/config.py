@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from models import kv_bytes
+
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "mixtral",
                            "qwen3_moe")
 ROPE_SCALING_TYPES = ("linear", "llama3")
@@ -191,8 +193,9 @@ class ModelConfig:
         return self.num_layers * layer + embed + e
 
     def kv_bytes_per_token(self, itemsize: int = 4) -> int:
-        """Bytes of K and V of one token over all layers, at `itemsize` bytes per value."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+        """Bytes of K and V of one token over all layers, at `itemsize` bytes per value
+        (models/kv_bytes.py's rule, the model dtype's cache)."""
+        return kv_bytes.kv_bytes_per_token(self, itemsize)
 
 
 def _alternating(num_layers: int, period: int) -> tuple[str, ...]:

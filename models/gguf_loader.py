@@ -74,11 +74,6 @@ def gguf_metadata(reader) -> dict:
     return meta
 
 
-def meta_arch(reader) -> str | None:
-    field = reader.fields.get("general.architecture")
-    return None if field is None else field.contents()
-
-
 def _to_device_array(x):
     import jax.numpy as jnp
 
@@ -144,7 +139,8 @@ def load_gguf(path: str | os.PathLike, *, dtype: str = "float32", progress: bool
     config = gguf_config(path, reader)
     # llama.cpp permutes Q/K rows for its "llama" architecture only (Mixtral included): the
     # others (qwen2/3, gemma) use the rotate-half (NEOX) RoPE and are stored as in the checkpoint.
-    permute = meta_arch(reader) == "llama"
+    # (gguf_config has refused a file without general.architecture.)
+    permute = reader.fields["general.architecture"].contents() == "llama"
     suffixes = layer_tensors(config)
 
     def get(tensor_name: str) -> np.ndarray:

@@ -41,10 +41,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")  # vLLM's names ("auto": the model's dtype)
+# The dtypes' names (KV_CACHE_DTYPES), the scale's bytes (SCALE_BYTES) and the bytes per token
+# are models/kv_bytes.py's (jax-free: the capacity calculator reads them without jax).
+from models.kv_bytes import check_kv_cache_dtype
+
 _QMAX = {"int8": 127.0, "fp8_e4m3": 448.0}
 _STORED = {"int8": jnp.int8, "fp8_e4m3": jnp.uint8}
-SCALE_BYTES = 2  # one bfloat16 scale per token and kv head
 
 
 @jax.tree_util.register_dataclass
@@ -70,19 +72,6 @@ class ScaledCache:
 
     def is_deleted(self) -> bool:
         return self.values.is_deleted() or self.scales.is_deleted()
-
-
-def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {kv_cache_dtype!r}")
-
-
-def bytes_per_value_and_scale(kv_cache_dtype: str, model_itemsize: int, head_dim: int) -> float:
-    """Bytes of one token's K (or V) for one kv head: head_dim values, plus the scale."""
-    check_kv_cache_dtype(kv_cache_dtype)
-    if kv_cache_dtype == "auto":
-        return head_dim * model_itemsize
-    return head_dim + SCALE_BYTES
 
 
 def allocate_scaled(shape: tuple[int, ...], kv_cache_dtype: str) -> ScaledCache:

@@ -14,7 +14,7 @@ is released and its entry becomes the null block 0:
 
 Blocks are released in `Scheduler.update` once the step's tokens are computed (the table the runner
 read for that step is not changed before it ran). Between steps a table holds at most
-ceil((W - 1) / bs) + 1 blocks, plus the new blocks of the step's chunk while it runs
+ceil((W - 1) / bs) + 1 blocks (`window_blocks`), plus the new blocks of the step's chunk while it runs
 (`num_blocks_needed` bounds what a whole batch can hold).
 
 Prefix caching: blocks are registered under the same chained hashes as the global group's, in this
@@ -37,13 +37,19 @@ def num_out_of_window(num_computed: int, window: int, block_size: int) -> int:
     return max(0, num_computed - window + 1) // block_size
 
 
+def window_blocks(window: int, block_size: int) -> int:
+    """The most blocks a request's table holds between steps, ceil((W - 1) / bs) + 1: those its
+    next query's window reads (experiments/capacity.py kv_bytes_held counts them too)."""
+    return -(-(window - 1) // block_size) + 1
+
+
 def num_blocks_needed(*, window: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
                       max_model_len: int) -> int:
     """The most blocks a running batch can hold in the sliding group at once, plus the null block:
     each running request its window's blocks (ceil((W - 1) / bs) + 1), plus one partly filled block
     and the new blocks of each scheduled chunk (the chunks share the step's token budget); never
     more than max_num_seqs whole sequences. A pool of this size is never short."""
-    per_seq = -(-(window - 1) // block_size) + 2
+    per_seq = window_blocks(window, block_size) + 1
     chunks = -(-max_num_batched_tokens // block_size)
     whole = max_num_seqs * -(-max_model_len // block_size)
     return min(max_num_seqs * per_seq + chunks, whole) + 1

@@ -24,12 +24,11 @@ from engine.step.buckets import (
     resolve_seq_buckets,
     resolve_token_buckets,
 )
-from engine.step.kv_cache import hybrid_num_blocks, num_blocks_for
+from engine.step.kv_cache import cache_budget, pool_sizes
 from engine.step.model_runner import ModelRunner
 from models.loader import load_model
 from pallas_kernels import resolve_backend
 from scheduler import Scheduler, SchedulerConfig
-from scheduler.sliding_window import num_blocks_needed
 
 
 @dataclasses.dataclass
@@ -131,24 +130,12 @@ def build_parts(config: EngineConfig, *, progress: bool = True, mesh=None, loade
     max_model_len = resolve_max_model_len(config, loaded.config.max_position_embeddings)
     bs = config.block_size
     max_blocks_per_seq = -(-max_model_len // bs)
-    sizing = dict(device=placement.devices[0] if placement else None, block_size=bs, dtype=dtype,
-                  num_kv_blocks=config.num_kv_blocks, kv_cache_bytes=config.kv_cache_bytes,
-                  memory_fraction=config.kv_cache_memory_fraction,
-                  max_useful_blocks=config.max_num_seqs * max_blocks_per_seq + 1,
-                  kv_cache_dtype=config.kv_cache_dtype)
-    sliding_window, num_sliding_blocks = None, 0
-    if uses_sliding_groups(config, loaded.config) and loaded.config.mixes_windows:
-        sliding_window = loaded.config.sliding_window
-        num_blocks, num_sliding_blocks = hybrid_num_blocks(kv_config, **sizing, sliding_blocks_needed=num_blocks_needed(
-            window=sliding_window, block_size=bs, max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len))
-    elif uses_sliding_groups(config, loaded.config):
-        # Every layer slides: the cache (the whole budget, or num_kv_blocks) is the sliding pool;
-        # the global pool holds no memory (prefix hashes and table lengths), sized never to run short.
-        sliding_window = loaded.config.sliding_window
-        num_sliding_blocks, num_blocks = num_blocks_for(kv_config, **sizing), sizing["max_useful_blocks"]
-    else:
-        num_blocks = num_blocks_for(kv_config, **sizing)
+    sliding = uses_sliding_groups(config, loaded.config)
+    sliding_window = loaded.config.sliding_window if sliding else None
+    budget = cache_budget(placement.devices[0] if placement else None, config.kv_cache_bytes,
+                          config.kv_cache_memory_fraction)
+    num_blocks, num_sliding_blocks = pool_sizes(config, kv_config, budget, sliding=sliding, dtype=dtype,
+                                                max_model_len=max_model_len)
     if (num_blocks - 1) * bs < max_model_len:
         raise ValueError(
             f"the KV cache ({num_blocks - 1} blocks of {bs} tokens) cannot hold one request of "

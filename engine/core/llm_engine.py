@@ -38,6 +38,7 @@ from engine.lora.manager import request_adapter
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.base import make_spec_decoder
+from engine.step.kv_cache import every_layer_slides
 from engine.step.logit_controls import build_logit_controls
 from engine.step.model_runner import num_backend_compilations
 from engine.step.placement import device_bytes
@@ -116,9 +117,9 @@ class LLMEngine:
         old = self.scheduler.config  # the runner's cache groups stay: so does the sliding group
         num_blocks, num_sliding = config.num_kv_blocks or self._num_blocks, old.num_sliding_blocks
         cache, limit = num_blocks, "num_blocks"  # the cache's blocks, and what the runner allocated
-        if old.sliding_window is not None and not getattr(self.model_config, "mixes_windows", True):
-            # Every layer slides: num_kv_blocks is the sliding pool (the cache); the global pool
-            # holds no memory and keeps its size.
+        if every_layer_slides(self.model_config, num_sliding):
+            # num_kv_blocks is the sliding pool (the cache); the global pool holds no memory and
+            # keeps its size.
             num_blocks, num_sliding = old.num_blocks, config.num_kv_blocks or num_sliding
             cache, limit = num_sliding, "num_sliding_blocks"
         if shapes is not None:

@@ -18,22 +18,38 @@ hybrid KV cache): two groups, each a (k_cache, v_cache) pair of its own, so the 
 and the sliding layers' [num_sliding_layers, num_sliding_blocks, ...], each indexed by a layer's
 rank among the layers of its kind and by its group's block table (the scheduler's two pools,
 scheduler/sliding_window.py). The sliding pool is sized for what a running batch can hold
-(`num_blocks_needed`), the global pool gets the rest of the budget. One group (the pair) otherwise.
+(`num_blocks_needed`), the global pool gets the rest of the budget (`pool_sizes`, which sizes the
+pools of every case). One group (the pair) otherwise.
 
 An 8-bit cache (kv_cache_dtype "int8" or "fp8_e4m3", vLLM's names) is, for each of K and V, a
 ScaledCache: the values [L, num_blocks, block_size, Hkv, D] in 8 bits and one bfloat16 scale per
 token and kv head [L, num_blocks, block_size, Hkv] (pallas_kernels/kv_quant.py); its bytes per
-token, scales counted, size the pool.
+token, scales counted (models/kv_bytes.py), size the pool.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from models import kv_bytes
 from models.config import ModelConfig
-from pallas_kernels.kv_quant import ScaledCache, allocate_scaled, bytes_per_value_and_scale
+from pallas_kernels.kv_quant import ScaledCache, allocate_scaled
+from scheduler.sliding_window import num_blocks_needed
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+
+
+def every_layer_slides(config: ModelConfig, sliding) -> bool:
+    """With sliding accounting (`sliding`: engine/core/builder.uses_sliding_groups, or the sliding
+    pool's blocks), a model whose every layer slides (Mistral v0.1): its one cache group is the
+    sliding pool (cache_groups' "sliding"), and the scheduler's global pool holds no memory. A
+    config without layer kinds (a fake runner's None) counts as mixing them."""
+    return bool(sliding) and not getattr(config, "mixes_windows", True)
 
 
 def cache_groups(config: ModelConfig, num_blocks: int, num_sliding_blocks: int) -> tuple[int, int, str]:
@@ -45,19 +61,48 @@ def cache_groups(config: ModelConfig, num_blocks: int, num_sliding_blocks: int) 
     the tables' lengths)."""
     if not num_sliding_blocks:
         return num_blocks, 0, "global"
-    if config.mixes_windows:
-        return num_blocks, num_sliding_blocks, "both"
-    return num_sliding_blocks, 0, "sliding"
+    if every_layer_slides(config, num_sliding_blocks):
+        return num_sliding_blocks, 0, "sliding"
+    return num_blocks, num_sliding_blocks, "both"
+
+
+def pool_sizes(engine: EngineConfig, config: ModelConfig, budget: int, *, sliding: bool, dtype: str,
+               max_model_len: int, tp: int = 1) -> tuple[int, int]:
+    """The scheduler's pools (num_blocks, num_sliding_blocks; 0: no sliding group), each with its
+    null block, for engine.num_kv_blocks or a cache of `budget` bytes per device (each of `tp`
+    devices holds 1 / tp of a block). `config`: the cache's ModelConfig; `sliding`: the engine
+    keeps sliding-window accounting (engine/core/builder.uses_sliding_groups). No pool holds more
+    than the engine can use (max_num_seqs full-length requests, plus the null block).
+
+    - Without sliding accounting: one pool, num_kv_blocks or what the budget holds.
+    - A model mixing windows (two groups): the sliding pool gets what a running batch can hold
+      (scheduler/sliding_window.num_blocks_needed), never more than the global pool (a request
+      never holds more sliding blocks than global ones); the global pool gets num_kv_blocks, or the
+      rest of the budget (both pools shrink alike when it cannot hold that many, `split_budget`).
+    - Every layer slides (`every_layer_slides`): the cache, num_kv_blocks or what the budget
+      holds, is the sliding pool; the global pool holds no memory (prefix hashes and table
+      lengths), sized never to run short.
+    """
+    bs, num_kv_blocks = engine.block_size, engine.num_kv_blocks
+    max_useful = engine.max_num_seqs * -(-max_model_len // bs) + 1
+    sizing = dict(block_size=bs, dtype=dtype, kv_cache_dtype=engine.kv_cache_dtype, max_useful_blocks=max_useful,
+                  tp=tp)
+    if not sliding or every_layer_slides(config, sliding):
+        cache = num_kv_blocks if num_kv_blocks is not None else blocks_in_budget(config, budget, **sizing)
+        return (max_useful, cache) if sliding else (cache, 0)
+    needed = num_blocks_needed(window=config.sliding_window, block_size=bs, max_num_seqs=engine.max_num_seqs,
+                               max_num_batched_tokens=engine.max_num_batched_tokens, max_model_len=max_model_len)
+    if num_kv_blocks is not None:
+        return num_kv_blocks, max(2, min(num_kv_blocks, needed))
+    return split_budget(config, budget, sliding_blocks_needed=needed, **sizing)
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: str, kv_cache_dtype: str = "auto",
                        num_layers: int | None = None) -> int:
-    """K and V bytes of one token over all layers (or `num_layers` of them): the model dtype's,
-    or an 8-bit cache's values plus their scales (one per token and kv head,
-    pallas_kernels/kv_quant.py)."""
-    per_head = bytes_per_value_and_scale(kv_cache_dtype, jnp.dtype(dtype).itemsize, config.head_dim)
-    layers = config.num_layers if num_layers is None else num_layers
-    return 2 * layers * config.num_kv_heads * int(per_head)
+    """K and V bytes of one token over all layers (or `num_layers` of them): the model dtype's
+    (`dtype` by name), or an 8-bit cache's values plus their scales; the rule is
+    models/kv_bytes.py's."""
+    return kv_bytes.kv_bytes_per_token(config, jnp.dtype(dtype).itemsize, kv_cache_dtype, num_layers)
 
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: str, kv_cache_dtype: str = "auto",
@@ -65,7 +110,7 @@ def bytes_per_block(config: ModelConfig, block_size: int, dtype: str, kv_cache_d
     return block_size * kv_bytes_per_token(config, dtype, kv_cache_dtype, num_layers)
 
 
-def _budget(device, kv_cache_bytes: int, memory_fraction: float) -> int:
+def cache_budget(device, kv_cache_bytes: int, memory_fraction: float) -> int:
     """The cache's bytes: the CPU budget, or memory_fraction of what an accelerator has free."""
     device = device or jax.devices()[0]
     if device.platform != "cpu":
@@ -76,12 +121,20 @@ def _budget(device, kv_cache_bytes: int, memory_fraction: float) -> int:
     return kv_cache_bytes
 
 
+def blocks_in_budget(config: ModelConfig, budget: int, *, block_size: int, dtype: str, kv_cache_dtype: str,
+                     max_useful_blocks: int, tp: int = 1) -> int:
+    """One cache group's blocks in a byte budget (per device: each of `tp` devices holds 1 / tp of
+    a block): at least 2 (the null block and one), at most max_useful_blocks."""
+    per_block = bytes_per_block(config, block_size, dtype, kv_cache_dtype) // tp
+    return max(2, min(budget // per_block, max_useful_blocks))
+
+
 def num_blocks_for(
     config: ModelConfig, *, block_size: int, dtype: str, num_kv_blocks: int | None,
     kv_cache_bytes: int, memory_fraction: float, max_useful_blocks: int, device=None,
     kv_cache_dtype: str = "auto",
 ) -> int:
-    """The cache size in blocks (including the null block).
+    """The cache size in blocks (including the null block) of one cache group.
 
     Explicit `num_kv_blocks` wins. On an accelerator, `memory_fraction` of the memory still free
     (after the weights are placed); on the CPU, the `kv_cache_bytes` budget. Never more than the
@@ -89,33 +142,15 @@ def num_blocks_for(
     """
     if num_kv_blocks is not None:
         return num_kv_blocks
-    per_block = bytes_per_block(config, block_size, dtype, kv_cache_dtype)
-    budget = _budget(device, kv_cache_bytes, memory_fraction)
-    return max(2, min(budget // per_block, max_useful_blocks))
-
-
-def hybrid_num_blocks(
-    config: ModelConfig, *, block_size: int, dtype: str, num_kv_blocks: int | None,
-    kv_cache_bytes: int, memory_fraction: float, max_useful_blocks: int, sliding_blocks_needed: int,
-    device=None, kv_cache_dtype: str = "auto",
-) -> tuple[int, int]:
-    """(global blocks, sliding blocks), each with its null block, for a two-group cache.
-
-    The sliding pool gets what a running batch can hold (`sliding_blocks_needed`,
-    scheduler/sliding_window.num_blocks_needed), never more than the global pool (a request never
-    holds more sliding blocks than global ones); the global pool gets an explicit `num_kv_blocks`,
-    or the rest of the byte budget (both pools shrink alike when it cannot hold that many)."""
-    if num_kv_blocks is not None:
-        return num_kv_blocks, max(2, min(num_kv_blocks, sliding_blocks_needed))
-    return split_budget(config, _budget(device, kv_cache_bytes, memory_fraction), block_size=block_size,
-                        dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_useful_blocks=max_useful_blocks,
-                        sliding_blocks_needed=sliding_blocks_needed)
+    return blocks_in_budget(config, cache_budget(device, kv_cache_bytes, memory_fraction), block_size=block_size,
+                            dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_useful_blocks=max_useful_blocks)
 
 
 def split_budget(config: ModelConfig, budget: int, *, block_size: int, dtype: str, kv_cache_dtype: str,
                  max_useful_blocks: int, sliding_blocks_needed: int, tp: int = 1) -> tuple[int, int]:
-    """`hybrid_num_blocks` for a byte budget (per device: each of `tp` devices holds 1 / tp of a
-    block): (global blocks, sliding blocks)."""
+    """A two-group cache's pools in a byte budget (per device: each of `tp` devices holds 1 / tp of
+    a block), the sliding one sized for `sliding_blocks_needed` (`pool_sizes`): (global blocks,
+    sliding blocks)."""
     per_global, per_sliding = (
         bytes_per_block(config, block_size, dtype, kv_cache_dtype, config.num_layers_of_kind(kind)) // tp
         for kind in ("full_attention", "sliding_attention"))

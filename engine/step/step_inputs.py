@@ -187,13 +187,17 @@ class BatchBuilder:
             raise ValueError(f"step samples {num_logits} positions, bucket has {layout.padded_logits}")
         ends = np.cumsum(q_lens, dtype=np.int32)
         tables = v["block_tables"]
+        # Every layer slides ("sliding"): the tables are the sliding pool's, the same length as
+        # block_ids (scheduler/kv_cache_manager.py), so block_ids are not written first.
+        global_tables = self.tables != "sliding"
         pos = 0
         for row, sr in enumerate(scheduled):
             end = ends[row]
             v["input_ids"][pos:end] = sr.token_ids
-            tables[row, : len(sr.block_ids)] = sr.block_ids
+            if global_tables:
+                tables[row, : len(sr.block_ids)] = sr.block_ids
             pos = end
-        if self.tables == "sliding":  # every layer slides: the cache is the sliding pool's
+        if not global_tables:
             self._fill_tables(tables, scheduled)
         # Positions and slots of every token at once: token i of row r sits at starts[r] + i.
         row_of_token = np.repeat(np.arange(num_seqs, dtype=np.int32), q_lens)

@@ -3,9 +3,10 @@
 `compile_for_target(engine_config, model_config, target)` follows what `build_parts` and
 ModelRunner do on that target (engine/core/builder.py, engine/step/program.py): the dtype, the
 attention backend and the layer loop the platform resolves to, the (1, tp) mesh of one replica
-with its shardings and head padding, the buckets, the KV cache sized as `num_blocks_for` sizes it
-(kv_cache_memory_fraction of what the weights leave), the donated cache and request table. The
-weights are ShapeDtypeStructs (`served_params_spec`): nothing the size of the model is allocated.
+with its shardings and head padding, the buckets, the KV cache's pools sized as the engine sizes
+them (engine/step/kv_cache.py pool_sizes: kv_cache_memory_fraction of what the weights leave),
+the donated cache and request table. The weights are ShapeDtypeStructs (`served_params_spec`):
+nothing the size of the model is allocated.
 Each bucket's step is lowered and compiled for the target's compile-only devices
 (experiments/lab/targets.py), and the compiled programs answer for memory (`memory_analysis`),
 cost (`cost_analysis`, where the backend gives it) and collectives (the optimized HLO).
@@ -30,7 +31,7 @@ from engine.config import (
 from engine.core.builder import uses_sliding_groups
 from engine.step.buckets import Bucket, RunnerShapes, resolve_seq_buckets, resolve_token_buckets
 from engine.step.executables import manifest, save_executables
-from engine.step.kv_cache import bytes_per_block, cache_groups, scaled_sharding, split_budget
+from engine.step.kv_cache import bytes_per_block, cache_groups, pool_sizes, scaled_sharding
 from engine.step.mesh import replica_meshes
 from engine.step.placement import Placement
 from engine.step.program import lower_bucket, make_step, served_params_spec, table_state_spec
@@ -51,7 +52,6 @@ from models.config import ModelConfig
 from models.sharding import KV_CACHE_SPEC, param_specs
 from pallas_kernels import resolve_backend
 from pallas_kernels.kv_quant import allocate_scaled
-from scheduler.sliding_window import num_blocks_needed
 
 
 def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: str, *,
@@ -109,29 +109,13 @@ def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: st
         params = {**params, "lora": with_sharding(lora, lora_shardings)}
     weights = tree_bytes_per_device(params)
     per_block = bytes_per_block(kv_config, bs, dtype, config.kv_cache_dtype) // tp
-    # engine/step/kv_cache.py num_blocks_for on an accelerator: a fraction of what is free
+    # engine/step/kv_cache.py cache_budget on an accelerator: a fraction of what is free
     budget = int(max(0, usable - weights) * config.kv_cache_memory_fraction)
     if platform == "cpu":
         budget = config.kv_cache_bytes
-    max_useful = config.max_num_seqs * max_blocks_per_seq + 1
-    num_sliding_blocks = 0
-    if uses_sliding_groups(config, model) and not model.mixes_windows:  # every layer slides (builder.py)
-        num_sliding_blocks = config.num_kv_blocks or max(2, min(budget // per_block, max_useful))
-        num_blocks = max_useful
-    elif uses_sliding_groups(config, model):  # a cache group per layer kind (engine/core/builder.py)
-        needed = num_blocks_needed(window=model.sliding_window, block_size=bs, max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens,
-                                   max_model_len=max_model_len)
-        if config.num_kv_blocks is not None:
-            num_blocks, num_sliding_blocks = config.num_kv_blocks, max(2, min(config.num_kv_blocks, needed))
-        else:
-            num_blocks, num_sliding_blocks = split_budget(
-                kv_config, budget, block_size=bs, dtype=dtype, kv_cache_dtype=config.kv_cache_dtype,
-                max_useful_blocks=max_useful, sliding_blocks_needed=needed, tp=tp)
-    elif config.num_kv_blocks is not None:
-        num_blocks = config.num_kv_blocks
-    else:
-        num_blocks = max(2, min(budget // per_block, max_useful))
+    num_blocks, num_sliding_blocks = pool_sizes(
+        config, kv_config, budget, sliding=uses_sliding_groups(config, model), dtype=dtype,
+        max_model_len=max_model_len, tp=tp)
     shapes = RunnerShapes(
         token_buckets=resolve_token_buckets(config), seq_buckets=resolve_seq_buckets(config),
         max_blocks_per_seq=max_blocks_per_seq, num_blocks=num_blocks, block_size=bs,

@@ -1,5 +1,5 @@
-"""Bytes per weight and per KV token for the capacity calculator (experiments/capacity.py), by the
-model dtype, the weight quantization and the KV cache dtype.
+"""Bytes per weight for the capacity calculator (experiments/capacity.py), by the model dtype and
+the weight quantization; its bytes per KV token are models/kv_bytes.py's.
 
 - Weights, float: parameters x the dtype's size (`ModelConfig.num_params`).
 - Weights, `quantization` "int8" | "fp8" (models/quant.py): every quantized matrix is 1 byte per
@@ -8,9 +8,10 @@ model dtype, the weight quantization and the KV cache dtype.
   the experts' [E 2 f_e, e] and [E e, f_e], a scale per expert and row) per layer, and the
   embedding [V, e] (per vocabulary row) and an untied output_proj [V, e]. The rest (norms, the
   MoE router) stays in the model dtype.
-- KV per token (engine/step/kv_cache.py kv_bytes_per_token, which sizes the engine's pool):
-  2 x layers x KV heads x head_dim x the dtype's size; an 8-bit cache ("int8", "fp8_e4m3",
-  pallas_kernels/kv_quant.py) stores head_dim bytes plus one bfloat16 scale per token and KV head.
+- KV per token (models/kv_bytes.py kv_bytes_per_token, the rule that sizes the engine's pool,
+  engine/step/kv_cache.py): 2 x layers x KV heads x head_dim x the dtype's size; an 8-bit cache
+  ("int8", "fp8_e4m3", pallas_kernels/kv_quant.py) stores head_dim bytes plus one bfloat16 scale
+  per token and KV head. Neither module imports jax.
 """
 
 from __future__ import annotations
@@ -18,16 +19,12 @@ from __future__ import annotations
 from models.config import ModelConfig
 
 QUANTIZATIONS = (None, "int8", "fp8")
-KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 WEIGHT_SCALE_BYTES = 4  # float32, one per output row of a quantized matrix (models/quant.py)
-KV_SCALE_BYTES = 2  # bfloat16, one per token and KV head (pallas_kernels/kv_quant.py)
 
 
-def _check(quantization, kv_cache_dtype="auto") -> None:
+def _check(quantization) -> None:
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be None, int8 or fp8; got {quantization!r}")
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {kv_cache_dtype!r}")
 
 
 def quantized_matrices(config: ModelConfig) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
@@ -70,9 +67,3 @@ def untied_embedding_bytes(config: ModelConfig, itemsize: int, quantization: str
     rows, cols = config.vocab_size, config.hidden_size
     return rows * cols * itemsize if quantization is None else _quantized_bytes([(rows, cols)])[1]
 
-
-def kv_bytes_per_token(config: ModelConfig, itemsize: int, kv_cache_dtype: str = "auto") -> int:
-    """K and V bytes of one token over all layers (scales counted)."""
-    _check(None, kv_cache_dtype)
-    per_head = config.head_dim * itemsize if kv_cache_dtype == "auto" else config.head_dim + KV_SCALE_BYTES
-    return 2 * config.num_layers * config.num_kv_heads * per_head

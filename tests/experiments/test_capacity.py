@@ -202,3 +202,11 @@ def test_quantized_weights_and_an_8bit_cache_on_h200():
     assert "weights int8, KV cache int8" in capacity.format_report(quant)
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         capacity.capacity("random:llama3-8b", "h200", kv_cache_dtype="fp8_e5m2")
+
+
+def test_the_calculator_and_its_kv_bytes_rule_import_no_jax():
+    """The calculator sizes a cache by the engine's own rule (models/kv_bytes.py) without jax."""
+    code = ("import sys, experiments.capacity, models.kv_bytes; "
+            "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if m.startswith('jax'))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
