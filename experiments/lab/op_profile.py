@@ -8,8 +8,9 @@ each XLA op the trace records classified from the compiled step's own HLO.
 XLA:CPU records one trace event per executed op (its thunks: a fusion, a library product
 ("ynn_fusion"), a copy, a while loop...), with the module and op name in its arguments. Each op's
 own time is its duration minus the ops nested inside it (a while loop's body, for one), summed
-over the traced steps. An op is then classified two ways from the HLO of the runner's compiled
-buckets (`ModelRunner._compiled`; Executable.as_text()):
+over the traced steps. Each execution (the trace's run_id) is matched to the compiled bucket
+whose HLO holds the op names it ran (`ModelRunner._compiled`; Executable.as_text(): every bucket's
+module has the same name), and each op is classified two ways from that HLO:
   kind    what it computes: "product" (a dot or convolution, fused or a library call),
           "gather", "scatter" (scatter, dynamic-update-slice), "reduce", "copy/transpose",
           "elementwise" (every other fusion), "control" (while, conditional, call: their own
@@ -153,13 +154,21 @@ def self_times(events) -> dict[tuple[str, str], float]:
     return total
 
 
+def _base(op: str, indexes) -> str:
+    """The HLO name of a trace's op (the trace sometimes drops a ".N" suffix the HLO has, or
+    adds one it has not)."""
+    if any(op in index for index in indexes):
+        return op
+    return re.sub(r"\.\d+$", "", op)
+
+
 class OpProfile:
     """A context manager tracing an engine's steps; `table()` the time by (where, kind)."""
 
     def __init__(self, engine, trace_dir: str | None = None):
         self.engine, self.trace_dir = engine, trace_dir or tempfile.mkdtemp(prefix="op_profile_")
         self.times: dict[tuple[str, str], float] = {}
-        self.conflicting = 0.0  # microseconds of ops whose class differs between buckets
+        self.conflicting = 0.0  # microseconds of ops no bucket's HLO names
 
     def __enter__(self):
         import jax
@@ -171,29 +180,33 @@ class OpProfile:
         import jax
 
         jax.profiler.stop_trace()
-        # Every bucket's module has the same name (the runner's step function), and the trace
-        # names an op only by module and op name: an op name's class is taken from every bucket's
-        # HLO that has it (the majority; `conflicting` is the time of names the buckets disagree on).
-        votes = collections.defaultdict(collections.Counter)
-        modules = set()
+        # Every bucket's module has the same name (the runner's step function) and the trace names
+        # an op by module and op name only; each execution (the trace's run_id) is matched to the
+        # bucket whose HLO holds the most of the op names it ran, and classified by that HLO.
+        # `conflicting`: the time of ops that no bucket's HLO names (classified "?").
+        indexes, modules = [], set()
         for executable in self.engine.runner._compiled.values():
             text = executable.as_text()
             modules.add(re.search(r"HloModule\s+([\w.\-]+)", text).group(1))
-            for name, cls in HloIndex(text).ops.items():
-                votes[name][cls] += 1
+            indexes.append(HloIndex(text).ops)
+        runs = collections.defaultdict(list)
+        for e in _events(self.trace_dir):
+            runs[e["args"].get("run_id")].append(e)
         totals = collections.Counter()
         self.conflicting = 0.0
-        for (module, op), us in self_times(_events(self.trace_dir)).items():
-            if module not in modules:  # not a step (a table refill, the sampler's side programs...)
-                totals[("not a step", "-")] += us
-                continue
-            name = op if op in votes else re.sub(r"\.\d+$", "", op)
-            counts = votes.get(name)
-            if not counts:
-                totals[("other", "?")] += us
-                continue
-            self.conflicting += us * (len(counts) > 1)
-            totals[counts.most_common(1)[0][0][::-1]] += us
+        for events in runs.values():
+            times = self_times(events)
+            names = {_base(op, indexes) for module, op in times if module in modules}
+            ops = max(indexes, key=lambda index: (len(names & index.keys()), -len(index))) if names else {}
+            for (module, op), us in times.items():
+                if module not in modules:  # not a step (a table refill, the sampler's side programs...)
+                    totals[("not a step", "-")] += us
+                    continue
+                cls = ops.get(_base(op, indexes))
+                if cls is None:
+                    self.conflicting += us
+                    cls = ("?", "other")
+                totals[cls[::-1]] += us
         self.times = dict(totals)
         return False
 
@@ -212,7 +225,7 @@ class OpProfile:
             lines.append(f"| {r['where']} | {r['kind']} | {r['ms']:.1f} | {100 * r['share']:.1f} % |")
         lines.append(f"| (ops under {100 * min_share:.1f} % each) | | | {100 * rest:.1f} % |")
         total = sum(self.times.values()) or 1.0
-        lines.append(f"ops whose class differs between buckets: {100 * self.conflicting / total:.1f} % of the time")
+        lines.append(f"ops not found in the matched bucket's HLO: {100 * self.conflicting / total:.1f} % of the time")
         by_where = collections.Counter()
         for r in self.rows():
             by_where[r["where"]] += r["share"]
