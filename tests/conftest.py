@@ -73,6 +73,10 @@ SHARED_ENGINE_MODULES = frozenset(f"tests/engine/{name}.py" for name in (
 # Modules that share the session-scoped real server on the default model
 # (tests/entrypoints/conftest.py): one work unit, so it starts once.
 REAL_SERVER_MODULES = frozenset(f"tests/entrypoints/{name}.py" for name in ("test_server_real", "test_server_structured"))
+# Modules that share the session-scoped disaggregated engine `pd` (tests/engine/conftest.py): one
+# work unit, so it is built once.
+DISAGGREGATION_MODULES = frozenset(f"tests/engine/{name}.py" for name in ("test_disaggregation",
+                                                                          "test_disaggregation_process"))
 
 
 # Worker-seconds of the longest work units in a fresh-clone run (BUILD_NOTES.md, "Test suite"):
@@ -81,7 +85,7 @@ REAL_SERVER_MODULES = frozenset(f"tests/entrypoints/{name}.py" for name in ("tes
 # its 100 s near the end). Units not listed follow, in collection order.
 UNIT_SECONDS = {
     "shared-engines": 229, "real-server": 55, "tests/pallas_kernels/test_pallas_interpret.py": 53,
-    "tests/engine/test_disaggregation.py": 47, "tests/engine/test_tp_greedy.py": 65,
+    "disaggregation": 47, "tests/engine/test_tp_greedy.py": 65,
     "tests/experiments/test_experiments_entry_points.py": 41, "tests/entrypoints/test_server_hostile.py": 37,
     "tests/pallas_kernels/test_xla.py": 30, "tests/models/test_reference_logits.py": 24,
     "tests/pallas_kernels/test_layers.py": 24, "tests/entrypoints/test_server_load.py": 23,
@@ -100,6 +104,8 @@ def work_unit(nodeid: str) -> str:
         return "shared-engines"
     if module in REAL_SERVER_MODULES:
         return "real-server"
+    if module in DISAGGREGATION_MODULES:
+        return "disaggregation"
     return nodeid.rsplit("::", 1)[0]
 
 
@@ -111,8 +117,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """--dist loadscope (a module per work unit), with SHARED_ENGINE_MODULES as one unit and
-    REAL_SERVER_MODULES as another, handed out in collection order (longest first)."""
+    """--dist loadscope (a module per work unit), with SHARED_ENGINE_MODULES as one unit,
+    REAL_SERVER_MODULES as another and DISAGGREGATION_MODULES as a third, handed out in collection
+    order (longest first)."""
     if config.getvalue("dist") != "loadscope":
         return None
     from xdist.scheduler import LoadScopeScheduling

@@ -95,3 +95,21 @@ def spec_off(engine):
         yield engine
     finally:
         engine.spec.enabled = True
+
+
+@pytest.fixture(scope="session")
+def pd():
+    """A PDEngine on random:tiny-gqa3 (tests/engine/disaggregation_shared.py's KNOBS): a prefill
+    pool and a decode pool of 2 virtual devices each. Session-scoped and shared by
+    test_disaggregation.py and test_disaggregation_process.py, one xdist work unit
+    (tests/conftest.py), so it is built once; test_disaggregation_quant.py builds its own (int8,
+    one device per pool)."""
+    from engine.disaggregation.pd_engine import PDEngine
+    from engine.sampling_params import SamplingParams
+    from tests.engine.disaggregation_shared import KNOBS, PROMPTS
+
+    engine = PDEngine(EngineConfig(**KNOBS, disaggregation="prefill:2,decode:2"), progress=False)
+    # Warm-up: a penalized request compiles the request tables' history fill in both pools.
+    run_to_completion(engine, [("warm", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=4,
+                                                                   presence_penalty=0.5))])
+    return engine

@@ -1,4 +1,4 @@
-"""The decode process of tests/engine/test_disaggregation.py's two-process test: the real entry
+"""The decode process of tests/engine/test_disaggregation_process.py's two-process test: the real entry
 point (`python -m engine.disaggregation.decode_pool --listen=HOST:PORT`, run with runpy), which
 the test can catch in the middle of a transfer and of decoding, to kill it there.
 
