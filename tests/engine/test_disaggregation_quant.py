@@ -20,23 +20,23 @@ PROMPTS = [SYSTEM + f"Question {i}: " + "why? " * i for i in range(6)]
 
 
 @pytest.fixture(scope="module")
-def pd():
+def pd8():
     from engine.disaggregation.pd_engine import PDEngine
 
     return PDEngine(EngineConfig(**KNOBS, disaggregation="prefill:1,decode:1"), progress=False)
 
 
-def test_the_8bit_cache_moves_with_its_scales_and_outputs_equal_colocated(pd):
-    k_prefill, _ = pd.prefill.runner.kv_cache
-    k_decode, _ = pd.decode.engine.runner.kv_cache
+def test_the_8bit_cache_moves_with_its_scales_and_outputs_equal_colocated(pd8):
+    k_prefill, _ = pd8.prefill.runner.kv_cache
+    k_decode, _ = pd8.decode.engine.runner.kv_cache
     assert isinstance(k_prefill, ScaledCache) and isinstance(k_decode, ScaledCache)
     cases = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2),
              SamplingParams(temperature=1.0, seed=7, max_tokens=10, ignore_eos=True)]
     requests = [(f"r{i}", p, cases[i % 2]) for i, p in enumerate(PROMPTS)]
-    want = run_to_completion(pd.prefill, requests)
-    before = pd.get_stats()
-    got = run_to_completion(pd, requests)
-    after = pd.get_stats()
+    want = run_to_completion(pd8.prefill, requests)
+    before = pd8.get_stats()
+    got = run_to_completion(pd8, requests)
+    after = pd8.get_stats()
     for rid, out in want.items():
         assert out.outputs[0].token_ids == got[rid].outputs[0].token_ids, rid
         if cases[int(rid[1:]) % 2].logprobs:
@@ -49,21 +49,21 @@ def test_the_8bit_cache_moves_with_its_scales_and_outputs_equal_colocated(pd):
     assert (after.kv_transfer.num_bytes - before.kv_transfer.num_bytes) == moved * per_block
     # The decode pool served every moved prompt block as a prefix hit: its blocks hold the prefill
     # pool's values and scales bit for bit.
-    hashes, k, v = pd._gather(pd.tokenize(PROMPTS[0]))
-    lookup = pd.decode.engine.scheduler.kv_cache_manager.pool.lookup
+    hashes, k, v = pd8._gather(pd8.tokenize(PROMPTS[0]))
+    lookup = pd8.decode.engine.scheduler.kv_cache_manager.pool.lookup
     blocks = [lookup(h) for h in hashes]
     assert hashes and all(b is not None for b in blocks)
     ids = np.asarray(blocks)
-    for sent, held in ((k, pd.decode.engine.runner.kv_cache[0]), (v, pd.decode.engine.runner.kv_cache[1])):
+    for sent, held in ((k, pd8.decode.engine.runner.kv_cache[0]), (v, pd8.decode.engine.runner.kv_cache[1])):
         for name in ("values", "scales"):
             np.testing.assert_array_equal(np.asarray(getattr(sent, name))[:, : len(ids)],
                                           np.asarray(getattr(held, name))[:, ids])
-    assert pd.decode.engine.scheduler.kv_cache_manager.pool.num_used_blocks == 0
-    jax.block_until_ready(pd.decode.engine.runner.kv_cache)
+    assert pd8.decode.engine.scheduler.kv_cache_manager.pool.num_used_blocks == 0
+    jax.block_until_ready(pd8.decode.engine.runner.kv_cache)
 
 
 @pytest.mark.extended  # make test-extended: a second process compiles its own engine (~30 s)
-def test_a_decode_pool_in_another_process_pulls_the_scales_too(pd):
+def test_a_decode_pool_in_another_process_pulls_the_scales_too(pd8):
     """The decode pool in another process (`python -m engine.disaggregation.decode_pool`): each
     gathered bucket is pulled as its four arrays (K and V values and scales) through
     jax.experimental.transfer and lands as an 8-bit cache; outputs equal colocated."""
@@ -86,7 +86,7 @@ def test_a_decode_pool_in_another_process_pulls_the_scales_too(pd):
                           progress=False)
         greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=1)
         requests = [(f"x{i}", p, greedy) for i, p in enumerate(PROMPTS[:4])]
-        want = run_to_completion(pd.prefill, requests)
+        want = run_to_completion(pd8.prefill, requests)
         got = run_to_completion(remote, requests)
         for rid, out in want.items():
             assert out.outputs[0].token_ids == got[rid].outputs[0].token_ids, rid
