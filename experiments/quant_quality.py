@@ -35,6 +35,9 @@ Configurations (name: weights, activation form, KV):
   kv-int8            float32 weights, an int8 KV cache
   kv-fp8_e4m3        float32 weights, an fp8 KV cache
   int8+kv-int8       int8 weights (int8 x int8) and an int8 KV cache
+
+The smoothed configurations calibrate once per run (the time is printed) and report the same
+columns. BUILD_NOTES.md "Quantization" has the table.
 """
 
 from __future__ import annotations

@@ -25,7 +25,9 @@ layers, [E, o, i] for experts.
                    that row, so batching never changes it.
    The activation scales are per row, or (activation_group G) per G input channels of a row
    (y = sum over groups of sx * the group's int32 dot): finer, since one outlier channel of the
-   residual stream coarsens a whole row, but slow on XLA:CPU (see quantize_params).
+   residual stream coarsens a whole row, but slow on XLA:CPU (see quantize_params). The engine
+   keeps per-row scales and smooths the weights first (models/smoothing.py), which moves the
+   outlier channels' range into the weights.
    activation_rows is a static field of every QuantizedWeight: None never quantizes activations.
    The engine sets it per platform from measurement (engine/config.py QUANT_ACTIVATION_ROWS,
    BUILD_NOTES.md "Quantization").
@@ -35,6 +37,10 @@ layers, [E, o, i] for experts.
    `native_blocks`), no float copy made. Its products are weight-only: the weight is dequantized
    inside the product (q times its block scales, converted in the dot's operand); lookups
    dequantize the rows gathered.
+6. Smoothing factors (`input_scale`, float32 [i], from models/smoothing.py for a tied lm_head):
+   q and scale quantize W * s (s per input column) and input_scale = 1 / s; a product multiplies
+   its input by input_scale first, a lookup and dequantize() their columns, so each is W's again.
+   `quantize_params` makes it from params["embed_smoothing"].
 
 `QuantizedWeight.dtype` is the float dtype the weight stands for (the model's dtype, what the
 products return to and what a dequantized copy would be), so code that asks a weight for the
@@ -52,9 +58,10 @@ import jax.numpy as jnp
 QUANTIZATIONS = ("int8", "fp8")
 # quantize_params(activation_group=G): activations quantized with one scale per G input channels
 # of a row (where G divides the product's input width). On the default model per-row scales cost
-# 3.2 % perplexity (the residual stream's outlier channels coarsen the whole row), groups of 64
-# 0.0 %; but XLA:CPU runs the grouped (batched) int8 dot 1.5-8x slower than float32, against 3x
-# faster per row, so the engine uses per-row scales (BUILD_NOTES.md "Quantization").
+# 3.5 % perplexity on 2,048 tokens (the residual stream's outlier channels coarsen the whole row),
+# groups of 64 1.0 %; but XLA:CPU runs the grouped (batched) int8 dot 1.5-8x slower than float32,
+# against 3x faster per row, so the engine uses per-row scales after smoothing (models/smoothing.py:
+# 1.4 %; BUILD_NOTES.md "Activation scales").
 _QMAX = {"int8": 127.0, "fp8": 448.0}
 _STORED = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 # The served layout's weight matrices that are quantized (models/layer_loops.py SERVED_PRODUCTS and
