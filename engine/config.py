@@ -27,7 +27,7 @@ class EngineConfig:
     dtype: str | None = None  # None: float32 on the CPU, bfloat16 on accelerators
     quantization: str | None = None  # weights quantized at load, per output channel (models/quant.py): "int8" or "fp8" (e4m3); "gguf": a GGUF's Q8_0 tables (token_embd, output) served in their own int8 blocks, the rest dequantized to the dtype; None: the dtype's weights
     quantization_activation_rows: int | None = None  # with quantization: products of at least this many rows quantize their activations too (int8 x int8 -> int32 / fp8 x fp8, dynamic per-row scales), smaller ones convert the weights inside a float dot; None: the platform's measured default (QUANT_ACTIVATION_ROWS); 0: every product; a number above max_num_batched_tokens: none
-    quantization_smoothing: str | float | None = None  # with int8/fp8: SmoothQuant-style smoothing before quantizing (models/smoothing.py: per-channel factors from a calibration pass over a fixed text at load, folded into the norms and weights), its migration strength alpha in [0, 1] (e.g. 0.5) or "off"; None: the platform's measured default (QUANT_SMOOTHING; one device, no LoRA). Not on a mesh nor with LoRA
+    quantization_smoothing: str | float | None = None  # with int8/fp8: SmoothQuant-style smoothing before quantizing (models/smoothing.py: per-channel factors from a calibration pass over a fixed text at load, folded into the norms and weights), its migration strength alpha in [0, 1] (e.g. 0.5) or "off"; None: the platform's measured default (QUANT_SMOOTHING; one device, no LoRA, some product quantizing its activations). Not on a mesh nor with LoRA
     attention_backend: str = "auto"  # auto: Pallas on TPU/GPU, xla on the CPU
     interpret: bool = False  # run Pallas kernels in interpret mode (CPU tests)
     scan_layers: bool | None = None  # compile one layer (a lax.scan over layers); None: the platform's default
@@ -315,12 +315,14 @@ def smoothing_alpha(value) -> float | None:
 
 def resolve_smoothing(config: EngineConfig, platform: str) -> float | None:
     """The smoothing alpha the engine applies, or None: quantization_smoothing, or where it is None
-    the platform's default (QUANT_SMOOTHING) when the engine quantizes activations on one device
-    without LoRA (a mesh or adapters keep unsmoothed weights by default)."""
+    the platform's default (QUANT_SMOOTHING) when some step's products quantize their activations
+    (activation rows within max_num_batched_tokens) on one device without LoRA (a mesh or
+    adapters keep unsmoothed weights by default; weight-only alone gains nothing from it)."""
     if config.quantization_smoothing is not None:
         return smoothing_alpha(config.quantization_smoothing)
     mesh = config.tensor_parallel_size * config.data_parallel_size * config.num_processes > 1
-    if mesh or config.enable_lora or resolve_activation_rows(config, platform) is None:
+    rows = resolve_activation_rows(config, platform)
+    if mesh or config.enable_lora or rows is None or rows > config.max_num_batched_tokens:
         return None
     return QUANT_SMOOTHING.get((platform, config.quantization))
 

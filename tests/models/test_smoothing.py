@@ -136,7 +136,9 @@ def test_engine_knob_defaults_and_refusals():
     assert resolved(quantization="int8") == 0.5  # the CPU's int8 x int8 form: on by default
     assert resolved(quantization="int8", quantization_smoothing="off") is None
     assert resolved(quantization="int8", quantization_smoothing="0.6") == 0.6  # as a flag gives it
-    assert resolved(quantization="int8", quantization_activation_rows=10**6) == 0.5
+    # every product weight-only (rows past the token budget): nothing to smooth for
+    assert resolved(quantization="int8", quantization_activation_rows=257) is None
+    assert resolved(quantization="int8", quantization_activation_rows=256) == 0.5
     assert resolve_smoothing(EngineConfig(quantization="int8"), "tpu") is None  # weight-only there
     assert resolved(quantization="fp8") is None and resolved() is None
     assert resolved(quantization="int8", tensor_parallel_size=2) is None  # a mesh: off by default
