@@ -28,6 +28,7 @@ class EngineConfig:
     dtype: str | None = None  # None: float32 on the CPU, bfloat16 on accelerators
     quantization: str | None = None  # weights quantized at load, per output channel (models/quant.py): "int8" or "fp8" (e4m3); "gguf": a GGUF's Q8_0 tables (token_embd, output) served in their own int8 blocks, the rest dequantized to the dtype; None: the dtype's weights
     quantization_activation_rows: int | None = None  # with quantization: products of at least this many rows quantize their activations too (int8 x int8 -> int32 / fp8 x fp8, dynamic per-row scales), smaller ones convert the weights inside a float dot; None: the platform's measured default (QUANT_ACTIVATION_ROWS); 0: every product; a number above max_num_batched_tokens: none
+    quantization_smoothing: str | float | None = None  # with int8/fp8: SmoothQuant-style smoothing before quantizing (models/smoothing.py: per-channel factors from a calibration pass over a fixed text at load, folded into the norms and weights), its migration strength alpha in [0, 1] (e.g. 0.5) or "off"; None: the platform's measured default (QUANT_SMOOTHING; one device, no LoRA, some product quantizing its activations). Not on a mesh nor with LoRA
     attention_backend: str = "auto"  # auto: Pallas on TPU/GPU, xla on the CPU
     interpret: bool = False  # run Pallas kernels in interpret mode (CPU tests)
     scan_layers: bool | None = None  # compile one layer (a lax.scan over layers); None: the platform's default
@@ -185,6 +186,7 @@ class EngineConfig:
             raise ValueError("EngineConfig.quantization_activation_rows needs quantization (int8 or fp8); "
                              f"got {self.quantization!r} (gguf blocks are weight-only)")
         mesh = self.tensor_parallel_size * self.data_parallel_size * self.num_processes > 1
+        self._check_smoothing(mesh)
         if self.quantization == "gguf" and mesh:
             raise ValueError("EngineConfig.quantization='gguf' is not implemented on a mesh (tensor_parallel_size="
                              f"{self.tensor_parallel_size}, data_parallel_size={self.data_parallel_size}, "
@@ -196,6 +198,23 @@ class EngineConfig:
         if self.quantization == "gguf" and self.disaggregation is not None:
             raise ValueError("EngineConfig.quantization='gguf' is not implemented with disaggregation: its "
                              "Q8_0 tables are placed on one device, each pool has its own mesh; int8 and fp8 are")
+
+    def _check_smoothing(self, mesh: bool) -> None:
+        alpha = smoothing_alpha(self.quantization_smoothing)  # a bad value: ValueError by name
+        if alpha is None:
+            return
+        name = f"EngineConfig.quantization_smoothing={self.quantization_smoothing!r}"
+        if self.quantization in (None, "gguf"):
+            raise ValueError(f"{name} needs quantization int8 or fp8 (it prepares weights for quantizing); "
+                             f"got quantization={self.quantization!r}")
+        if mesh:
+            raise ValueError(f"{name} is not implemented on a mesh (tensor_parallel_size="
+                             f"{self.tensor_parallel_size}, data_parallel_size={self.data_parallel_size}, "
+                             f"num_processes={self.num_processes}): its calibration runs the float model on "
+                             "one device; pass quantization_smoothing='off'")
+        if self.enable_lora:
+            raise ValueError(f"{name} is not implemented with enable_lora (an adapter's A matrix reads "
+                             "the unsmoothed input of its product); pass quantization_smoothing='off'")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
@@ -267,6 +286,41 @@ def resolve_activation_rows(config: EngineConfig, platform: str) -> int | None:
     if config.quantization_activation_rows is not None:
         return config.quantization_activation_rows
     return QUANT_ACTIVATION_ROWS.get((platform, config.quantization))
+
+
+# SmoothQuant-style smoothing (models/smoothing.py) by default, per platform and quantization:
+# where products of 2+ rows run int8 x int8 with one activation scale per row (the CPU), alpha 0.5
+# halved the KL divergence from float32 on the default model (BUILD_NOTES.md "Activation scales").
+QUANT_SMOOTHING = {("cpu", "int8"): 0.5}
+
+
+def smoothing_alpha(value) -> float | None:
+    """EngineConfig.quantization_smoothing as an alpha (None: "off" or unset), or a ValueError
+    that names it."""
+    if value is None or value == "off":
+        return None
+    try:
+        alpha = float(value) if isinstance(value, str) else value
+        from models.smoothing import check_alpha
+
+        return check_alpha(alpha)
+    except ValueError:
+        raise ValueError(f"EngineConfig.quantization_smoothing must be an alpha in [0, 1] (e.g. 0.5), 'off' or "
+                         f"None (the platform's default), got {value!r}") from None
+
+
+def resolve_smoothing(config: EngineConfig, platform: str) -> float | None:
+    """The smoothing alpha the engine applies, or None: quantization_smoothing, or where it is None
+    the platform's default (QUANT_SMOOTHING) when some step's products quantize their activations
+    (activation rows within max_num_batched_tokens) on one device without LoRA (a mesh or
+    adapters keep unsmoothed weights by default; weight-only alone gains nothing from it)."""
+    if config.quantization_smoothing is not None:
+        return smoothing_alpha(config.quantization_smoothing)
+    mesh = config.tensor_parallel_size * config.data_parallel_size * config.num_processes > 1
+    rows = resolve_activation_rows(config, platform)
+    if mesh or config.enable_lora or rows is None or rows > config.max_num_batched_tokens:
+        return None
+    return QUANT_SMOOTHING.get((platform, config.quantization))
 
 
 def _choice(name: str, value, choices, *, allow_none: bool = False) -> None:

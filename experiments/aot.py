@@ -174,6 +174,8 @@ def define_flags() -> None:
                       "once); about doubles the compile time.")
     flags.DEFINE_string("output_json", "", "Write the report here.")
     flags.DEFINE_string("quantization", None, "Weights quantized at load: int8 | fp8 (models/quant.py).")
+    flags.DEFINE_string("quantization_smoothing", None, "With int8/fp8: a smoothing alpha in [0, 1] or off "
+                        "(models/smoothing.py); unset: the platform's default (EngineConfig).")
     flags.DEFINE_string("kv_cache_dtype", "auto", "auto | int8 | fp8_e4m3 (an 8-bit cache with a scale per token and kv head).")
     flags.DEFINE_string("save_executables", "", "Write every compiled step and a manifest here, "
                         "for the server's --load_executables.")
@@ -195,7 +197,8 @@ def engine_config_from_flags(f) -> EngineConfig:
         seq_buckets=ints(f.seq_buckets), attention_backend=f.attention_backend,
         speculative_config=spec, disaggregation=f.disaggregation, enable_lora=f.enable_lora,
         max_loras=f.max_loras, max_lora_rank=f.max_lora_rank, lora_product=f.lora_product,
-        quantization=f.quantization, kv_cache_dtype=f.kv_cache_dtype)
+        quantization=f.quantization, quantization_smoothing=f.quantization_smoothing,
+        kv_cache_dtype=f.kv_cache_dtype)
 
 
 def draft_configs(config: EngineConfig):

@@ -25,7 +25,9 @@ layers, [E, o, i] for experts.
                    that row, so batching never changes it.
    The activation scales are per row, or (activation_group G) per G input channels of a row
    (y = sum over groups of sx * the group's int32 dot): finer, since one outlier channel of the
-   residual stream coarsens a whole row, but slow on XLA:CPU (see quantize_params).
+   residual stream coarsens a whole row, but slow on XLA:CPU (see quantize_params). The engine
+   keeps per-row scales and smooths the weights first (models/smoothing.py), which moves the
+   outlier channels' range into the weights.
    activation_rows is a static field of every QuantizedWeight: None never quantizes activations.
    The engine sets it per platform from measurement (engine/config.py QUANT_ACTIVATION_ROWS,
    BUILD_NOTES.md "Quantization").
@@ -35,6 +37,10 @@ layers, [E, o, i] for experts.
    `native_blocks`), no float copy made. Its products are weight-only: the weight is dequantized
    inside the product (q times its block scales, converted in the dot's operand); lookups
    dequantize the rows gathered.
+6. Smoothing factors (`input_scale`, float32 [i], from models/smoothing.py for a tied lm_head):
+   q and scale quantize W * s (s per input column) and input_scale = 1 / s; a product multiplies
+   its input by input_scale first, a lookup and dequantize() their columns, so each is W's again.
+   `quantize_params` makes it from params["embed_smoothing"].
 
 `QuantizedWeight.dtype` is the float dtype the weight stands for (the model's dtype, what the
 products return to and what a dequantized copy would be), so code that asks a weight for the
@@ -52,9 +58,10 @@ import jax.numpy as jnp
 QUANTIZATIONS = ("int8", "fp8")
 # quantize_params(activation_group=G): activations quantized with one scale per G input channels
 # of a row (where G divides the product's input width). On the default model per-row scales cost
-# 3.2 % perplexity (the residual stream's outlier channels coarsen the whole row), groups of 64
-# 0.0 %; but XLA:CPU runs the grouped (batched) int8 dot 1.5-8x slower than float32, against 3x
-# faster per row, so the engine uses per-row scales (BUILD_NOTES.md "Quantization").
+# 3.5 % perplexity on 2,048 tokens (the residual stream's outlier channels coarsen the whole row),
+# groups of 64 1.0 %; but XLA:CPU runs the grouped (batched) int8 dot 1.5-8x slower than float32,
+# against 3x faster per row, so the engine uses per-row scales after smoothing (models/smoothing.py:
+# 1.4 %; BUILD_NOTES.md "Activation scales").
 _QMAX = {"int8": 127.0, "fp8": 448.0}
 _STORED = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 # The served layout's weight matrices that are quantized (models/layer_loops.py SERVED_PRODUCTS and
@@ -80,6 +87,10 @@ class QuantizedWeight:
     # Scales per this many input channels of a row ([..., o, i / block]; GGUF Q8_0: 32), or None:
     # one per row. Block-scaled weights are weight-only (module docstring, 5.).
     block: int | None = dataclasses.field(metadata=dict(static=True), default=None)
+    # float32 [i] or None: the weight stored is W * s per input column (models/smoothing.py, a tied
+    # lm_head: SmoothQuant's factor kept at run time) and input_scale = 1 / s; a product's input
+    # is multiplied by it first, rows and dequantize() multiply their columns by it: W again.
+    input_scale: jax.Array | None = None
 
     @property
     def dtype(self):
@@ -99,7 +110,10 @@ class QuantizedWeight:
         return "int8" if self.q.dtype == jnp.int8 else "fp8"
 
     def dequantize(self) -> jax.Array:
-        return self._scaled(self.q, self.scale).astype(self.dtype)
+        return self._unsmoothed(self._scaled(self.q, self.scale)).astype(self.dtype)
+
+    def _unsmoothed(self, w):
+        return w if self.input_scale is None else w * self.input_scale
 
     def _scaled(self, q, scale):
         """q [..., i] times its scales (per row [...], or per block [..., i / block]), float32."""
@@ -120,6 +134,8 @@ class QuantizedWeight:
         if len(lhs) != 2 or len(rhs) != 2 or lhs[1] != rhs[1] or out != lhs[0] + rhs[0] or self.q.ndim != 2:
             raise ValueError(f"a quantized weight takes an out-major product x[t, i] . w[o, i]; got "
                              f"spec {spec!r} for a weight of shape {tuple(self.q.shape)}")
+        if self.input_scale is not None:  # smoothed: x / s . (W * s)^T
+            x = (x.astype(jnp.float32) * self.input_scale).astype(x.dtype)
         if self.quantizes_activations(x.shape[0]) and self.activation_group:
             return self._grouped_activation_product(x)
         if self.quantizes_activations(x.shape[0]):
@@ -132,7 +148,8 @@ class QuantizedWeight:
             return y[:rows].astype(jnp.float32) * sx * self.scale[None, :]
         if self.block is not None:  # dequantized inside the product (block scales along i)
             x = x.astype(self.dtype)
-            return jnp.dot(x, self.dequantize().T, preferred_element_type=jnp.float32)
+            return jnp.dot(x, self._scaled(self.q, self.scale).astype(self.dtype).T,
+                           preferred_element_type=jnp.float32)
         # Written as x . (q^T converted): XLA:CPU then fuses the transpose and the convert into
         # the product's loop and reads the int8 weight once (the same product contracted on q's
         # last axis converted the whole weight to float first: 5x slower at one row).
@@ -177,7 +194,7 @@ class QuantizedWeight:
             rows = jax.lax.bitcast_convert_type(bits, self.q.dtype).astype(jnp.float32)
         if self.block is not None:
             return self._scaled(rows, self.scale[ids]).astype(self.dtype).astype(jnp.float32)
-        return (rows * self.scale[ids][:, None]).astype(self.dtype).astype(jnp.float32)
+        return self._unsmoothed(rows * self.scale[ids][:, None]).astype(self.dtype).astype(jnp.float32)
 
 
 def quantize_rows(x: jax.Array, method: str) -> tuple[jax.Array, jax.Array]:
@@ -209,7 +226,12 @@ def quantize_weight(w: jax.Array, method: str, *, activation_rows: int | None = 
 def quantize_params(params: dict, method: str | None, *, activation_rows: int | None = None,
                     activation_group: int | None = None) -> dict:
     """The served layout (models/served_layout.py; layers a list or a stacked dict) with its
-    weight matrices quantized (module docstring, 1.). method None returns params unchanged."""
+    weight matrices quantized (module docstring, 1.). method None returns params unchanged.
+    params["embed_smoothing"] (float32 [e], models/smoothing.py: a tied lm_head's factors s) is
+    consumed: the embedding is quantized as embed * s per column with input_scale 1 / s."""
+    embed_smoothing = params.get("embed_smoothing")
+    if embed_smoothing is not None:
+        params = {k: v for k, v in params.items() if k != "embed_smoothing"}
     if method is None:
         return params
     if any(getattr(w, "dtype", None) == jnp.uint16 for w in jax.tree.leaves(params["layers"])):
@@ -232,6 +254,10 @@ def quantize_params(params: dict, method: str | None, *, activation_rows: int | 
     layers = params["layers"]
     out = {k: quantize(w) if k in QUANTIZED_TOP_WEIGHTS else w for k, w in params.items() if k != "layers"}
     out["layers"] = [layer(d) for d in layers] if isinstance(layers, list) else layer(layers)
+    if embed_smoothing is not None and not isinstance(params["embed"], QuantizedWeight):
+        s = jnp.asarray(embed_smoothing, jnp.float32)
+        table = (params["embed"].astype(jnp.float32) * s).astype(params["embed"].dtype)
+        out["embed"] = dataclasses.replace(quantize(table), input_scale=1.0 / s)
     return out
 
 

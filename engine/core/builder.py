@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 import jax
@@ -17,6 +18,7 @@ from engine.config import (
     resolve_dtype,
     resolve_layer_loop,
     resolve_max_model_len,
+    resolve_smoothing,
 )
 from engine.step.buckets import (
     RunnerShapes,
@@ -29,6 +31,8 @@ from engine.step.model_runner import ModelRunner
 from models.loader import load_model
 from pallas_kernels import resolve_backend
 from scheduler import Scheduler, SchedulerConfig
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -126,6 +130,14 @@ def build_parts(config: EngineConfig, *, progress: bool = True, mesh=None, loade
                                  quantization=config.quantization,
                                  activation_rows=resolve_activation_rows(config, platform))
         kv_config = placement.layout.local  # per device: its KV heads, after its weight shards
+    smoothing = resolve_smoothing(config, platform)
+    if smoothing is not None and placement is None:  # (a mesh: refused by EngineConfig, off by default)
+        from models.smoothing import smooth_for_quantization
+
+        # The calibration pass over models/smoothing.py CALIBRATION_TEXT, then the factors folded
+        # in; the runner quantizes the smoothed float weights.
+        params, calibration = smooth_for_quantization(params, loaded.config, loaded.tokenizer, smoothing)
+        logger.info("quantization smoothing (alpha %s): calibrated and folded in %.2f s", smoothing, calibration)
     load_seconds = time.perf_counter() - start
     max_model_len = resolve_max_model_len(config, loaded.config.max_position_embeddings)
     bs = config.block_size
@@ -173,7 +185,8 @@ def build_parts(config: EngineConfig, *, progress: bool = True, mesh=None, loade
                             tensor_parallel_size=config.tensor_parallel_size, shapes=shapes,
                             quantization=config.quantization,
                             activation_rows=resolve_activation_rows(config, platform),
-                            kv_cache_dtype=config.kv_cache_dtype)
+                            kv_cache_dtype=config.kv_cache_dtype,
+                            smoothing=smoothing if placement is None else None)
         executables = load_executables(config.load_executables, expected, devices)
     lora_manager, lora_slots, lora_method = None, None, "masked"
     if config.enable_lora:

@@ -48,12 +48,18 @@ def serve_layout(params: dict, layer_loop: str, quantization: str | None = None,
 
 def served_params_spec(config: ModelConfig, *, dtype: str, layer_loop: str,
                        placement: Placement | None, quantization: str | None = None,
-                       activation_rows: int | None = None) -> dict:
+                       activation_rows: int | None = None, smoothing: bool = False) -> dict:
     """ShapeDtypeStructs (no sharding) of the weights the runner would serve for `config`
-    (quantized as ModelRunner quantizes them, models/quant.py)."""
+    (quantized as ModelRunner quantizes them, models/quant.py; `smoothing`: smoothed first,
+    models/smoothing.py, which gives a tied embedding its factors)."""
     if placement is None:
-        return jax.eval_shape(lambda: serve_layout(random_params(config, dtype=dtype), layer_loop, quantization,
-                                                   activation_rows))
+        def served():
+            params = random_params(config, dtype=dtype)
+            if smoothing and quantization is not None and "lm_head" not in params:
+                params["embed_smoothing"] = jnp.ones((config.hidden_size,), jnp.float32)
+            return serve_layout(params, layer_loop, quantization, activation_rows)
+
+        return jax.eval_shape(served)
     if quantization is not None:
         return abstract_quantized_params(config, placement.layout, dtype=dtype, stack=layer_loop == "stacked",
                                          quantization=quantization, activation_rows=activation_rows)

@@ -55,8 +55,9 @@ _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 0, "fixed: 0 = the chat prompts
 _OUTPUT_LEN = flags.DEFINE_integer("output_len", 128, "fixed: new tokens per request")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "fixed: runs per (N, dtype); the median is reported")
 _DTYPES = flags.DEFINE_list("dtypes", [], "fixed: dtypes to compare (default: the platform's); an entry "
-                            "DTYPE:QUANTIZATION[:KV_CACHE_DTYPE] quantizes too, e.g. float32:int8, "
-                            "float32:int8:int8, float32::int8 (EngineConfig.quantization, kv_cache_dtype)")
+                            "DTYPE:QUANTIZATION[:KV_CACHE_DTYPE[:SMOOTHING]] quantizes too, e.g. float32:int8, "
+                            "float32:int8:int8, float32::int8, float32:int8::off (EngineConfig.quantization, "
+                            "kv_cache_dtype, quantization_smoothing)")
 _PROFILE = flags.DEFINE_boolean("profile", False, "also print the per-bucket step profile")
 _OP_PROFILE = flags.DEFINE_boolean("op_profile", False, "with --profile: also trace the profiled run and print "
                                    "its device time by op class (experiments/lab/op_profile.py)")
@@ -79,11 +80,12 @@ FIXED_QUESTIONS = (
 
 
 def build_llm(dtype: str | None, *, max_num_seqs: int | None = None):
-    """dtype: a dtype, or DTYPE:QUANTIZATION[:KV_CACHE_DTYPE] (see --dtypes)."""
+    """dtype: a dtype, or DTYPE:QUANTIZATION[:KV_CACHE_DTYPE[:SMOOTHING]] (see --dtypes)."""
     from engine import LLM
 
-    dtype, quantization, kv_cache_dtype = ((dtype or "").split(":") + ["", ""])[:3]
-    quant = dict(quantization=quantization or None, kv_cache_dtype=kv_cache_dtype or "auto")
+    dtype, quantization, kv_cache_dtype, smoothing = ((dtype or "").split(":") + ["", "", ""])[:4]
+    quant = dict(quantization=quantization or None, kv_cache_dtype=kv_cache_dtype or "auto",
+                 quantization_smoothing=smoothing or None)
 
     seqs = max_num_seqs or _MAX_NUM_SEQS.value
     budget = _MAX_BATCHED.value

@@ -27,6 +27,7 @@ from engine.config import (
     resolve_dtype,
     resolve_layer_loop,
     resolve_max_model_len,
+    resolve_smoothing,
 )
 from engine.core.builder import uses_sliding_groups
 from engine.step.buckets import Bucket, RunnerShapes, resolve_seq_buckets, resolve_token_buckets
@@ -88,7 +89,8 @@ def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: st
     if config.quantization == "gguf":
         raise ValueError("--quantization=gguf serves a GGUF file's own Q8_0 tables, which a build from the "
                          "model's config alone does not have; experiments.aot takes int8 or fp8")
-    quant = dict(quantization=config.quantization, activation_rows=activation_rows)
+    smoothing = resolve_smoothing(config, platform) if mesh is None else None
+    quant = dict(quantization=config.quantization, activation_rows=activation_rows, smoothing=smoothing is not None)
     params, replicated, kv_sharding, kv_config = _abstract_params(model, dtype, layer_loop, placement, devices[0],
                                                                   **quant)
     lora_method = "masked"
@@ -152,7 +154,7 @@ def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: st
     meta = manifest(platform=platform, device_kind=devices[0].device_kind, model=model, dtype=dtype,
                     attention_backend=backend, layer_loop=layer_loop, tensor_parallel_size=tp,
                     shapes=shapes, quantization=config.quantization, activation_rows=activation_rows,
-                    kv_cache_dtype=config.kv_cache_dtype)
+                    kv_cache_dtype=config.kv_cache_dtype, smoothing=smoothing)
     return Build(
         target=target_name, platform=platform, dtype=dtype, attention_backend=backend,
         layer_loop=layer_loop, tensor_parallel_size=tp, max_model_len=max_model_len, block_size=bs,
@@ -163,11 +165,13 @@ def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: st
 
 
 def _abstract_params(model: ModelConfig, dtype: str, layer_loop: str, placement, device, *,
-                     quantization: str | None = None, activation_rows: int | None = None):
+                     quantization: str | None = None, activation_rows: int | None = None,
+                     smoothing: bool = False):
     """(weights with their shardings, the replicated sharding, the KV cache's, the per-device
     KV shape's config) as the runner would serve them."""
     params = served_params_spec(model, dtype=dtype, layer_loop=layer_loop, placement=placement,
-                                quantization=quantization, activation_rows=activation_rows)
+                                quantization=quantization, activation_rows=activation_rows,
+                                smoothing=smoothing)
     if placement is None:
         single = SingleDeviceSharding(device)
         return with_sharding(params, jax.tree.map(lambda _: single, params)), single, single, model

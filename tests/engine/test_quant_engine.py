@@ -52,6 +52,8 @@ def test_the_engine_serves_int8_weights_and_an_int8_cache(engine):
     k_cache, v_cache = engine.runner.kv_cache
     assert isinstance(k_cache, ScaledCache) and k_cache.values.dtype == jnp.int8
     assert engine.runner.params["layers"][0]["qkv_proj"].q.dtype == jnp.int8
+    # smoothed (models/smoothing.py, the CPU's int8 x int8 default): the tied table holds its factors
+    assert engine.runner.params["embed"].input_scale is not None
     stats = engine.get_stats()
     config = engine.model_config
     assert stats.weight_bytes_per_device[0] < 0.3 * config.num_params * 4  # tiny: scales are 6 %

@@ -10,11 +10,13 @@ form) and the int8 KV cache on the three shortest fixture prompts and 128 held-o
 padded length: one compile per configuration), the second all five prompts and 512 tokens. The
 weight bytes run in the default suite.
 
-Missed goals, asserted as measured: the int8 x int8 form with per-row activation scales costs
-3.2 % perplexity on 512 held-out tokens and 5.4 % on the first 128 (BUILD_NOTES.md
-"Quantization"), over the 3 % asked; its bounds here (4 %, 6 %) guard against getting worse and
-are not the goal. fp8 weights (weight-only) miss the agreement goal on 2 of 65 clear positions,
-so the slow test holds fp8 to its perplexity bound only.
+The int8 x int8 form runs smoothed (models/smoothing.py, alpha 0.5: the engine's default on the
+CPU) and meets the goals: 2.3 % perplexity on 512 held-out tokens and 2.5 % on the first 128,
+every clear position. Unsmoothed (asserted as measured, BUILD_NOTES.md "Quantization") it keeps
+62 of 65 clear positions (42 of 43 on the three shortest prompts), 1.7 % / 2.6 % perplexity here
+(3.5 % on 2,048 tokens); its bounds (4 %, 6 %) guard against getting worse. fp8 weights
+(weight-only) miss the agreement goal on 2 of 65 clear positions, so the slow test holds fp8 to
+its perplexity bound only.
 """
 
 import pytest
@@ -40,21 +42,25 @@ def _check(results, name, max_ratio, agreement=True):
 def test_int8_weights_and_int8_cache_keep_the_default_model_quality(evaluator):
     shortest = sorted(range(len(evaluator.meta["prompts"])),
                       key=lambda i: len(evaluator.meta["prompts"][i]["prompt_token_ids"]))[:3]
-    results = compare(["int8", "int8-weight-only", "kv-int8"], near_tie=NEAR_TIE, ppl_tokens=128,
+    results = compare(["int8-smooth", "int8", "int8-weight-only", "kv-int8"], near_tie=NEAR_TIE, ppl_tokens=128,
                       prompts=shortest, evaluator=evaluator)
+    print({name: (r["clear_agree"], r["perplexity_ratio"], r["kl"]) for name, r in results.items()})
     assert results["float32"]["clear_agree"] == results["float32"]["clear_positions"]
+    _check(results, "int8-smooth", 1.03)  # the engine's int8 x int8 form on the CPU
     _check(results, "int8-weight-only", 1.03)
     _check(results, "kv-int8", 1.03)
-    _check(results, "int8", 1.06)  # the 3 % goal is missed by this form (module docstring)
+    _check(results, "int8", 1.06, agreement=False)  # unsmoothed: as measured (module docstring)
 
 
 @pytest.mark.slow
 def test_every_configuration_on_every_prompt(evaluator):
-    results = compare(["int8", "int8-weight-only", "fp8", "kv-int8"], near_tie=NEAR_TIE, ppl_tokens=512,
-                      evaluator=evaluator)
+    results = compare(["int8-smooth", "int8", "int8-weight-only", "fp8", "kv-int8"], near_tie=NEAR_TIE,
+                      ppl_tokens=512, evaluator=evaluator)
+    print({name: (r["clear_agree"], r["perplexity_ratio"], r["kl"]) for name, r in results.items()})
+    _check(results, "int8-smooth", 1.03)
     _check(results, "int8-weight-only", 1.03)
     _check(results, "kv-int8", 1.03)
-    _check(results, "int8", 1.04)  # missed: 3.2 % (module docstring)
+    _check(results, "int8", 1.04, agreement=False)  # unsmoothed: 62 of 65 (module docstring)
     _check(results, "fp8", 1.05, agreement=False)  # missed: 63 of 65 clear positions
 
 
@@ -65,7 +71,9 @@ def test_the_engine_reports_int8_weights_at_most_027x_float32():
 
     # The default model's shapes with random weights (drawn by numpy, no GGUF to read): the bytes
     # depend on the shapes only.
+    # (quantization_smoothing off: its calibration pass costs 3 s here and adds 576 float32 factors)
     engine = LLMEngine(EngineConfig(model="random:smollm2-135m", quantization="int8", precompile=False,
+                                    quantization_smoothing="off",
                                     max_num_seqs=1, max_num_batched_tokens=16, token_buckets=(16,),
                                     seq_buckets=(1,), num_kv_blocks=300, compilation_cache_dir=None),
                        progress=False)
