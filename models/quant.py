@@ -31,10 +31,17 @@ layers, [E, o, i] for experts.
    BUILD_NOTES.md "Quantization").
 4. The embedding lookup (`rows`) gathers quantized rows (fp8 as its bits) and their scales.
 5. Block scales (`block` B): int8 q [o, i] with one scale per B input channels of a row,
-   scale [o, i / B]: GGUF's Q8_0 (B = 32) as the file stores it (models/gguf_loader.py
-   `native_blocks`), no float copy made. Its products are weight-only: the weight is dequantized
-   inside the product (q times its block scales, converted in the dot's operand); lookups
-   dequantize the rows gathered.
+   scale [o, i / B], and optionally one `offset` per block (w = scale * q + offset): GGUF's
+   Q8_0, Q4_0 (q - 8 held as int8) and Q4_1 (q in 0..15, offset its block minimum m) with B = 32,
+   as the file stores them (models/gguf_blocks.py), no float copy made. Their products are
+   weight-only and exact (no activation rounding): y = x . (scale q)^T + blocksum(x) . offset^T,
+   blocksum(x) [t, i / B] the sums of x over each block. Written so for XLA:CPU: with the second
+   (1/B-sized) dot it fuses the whole product, the convert and the block-scale multiply included,
+   into one YNNPACK call at every row count; x . (scale q + offset)^T, or x . (scale q)^T alone,
+   is split into a loop writing a float32 copy of the weight every step and the dot (2-4x slower
+   from 8 rows on). So a block weight with no offset (Q8_0, Q4_0) adds blocksum(x) . 0 on the CPU
+   (exact: + 0). Measured in BUILD_NOTES.md "Quantization" (experiments/bench/q4_forms.py).
+   Lookups dequantize the rows gathered.
 
 `QuantizedWeight.dtype` is the float dtype the weight stands for (the model's dtype, what the
 products return to and what a dequantized copy would be), so code that asks a weight for the
@@ -80,6 +87,9 @@ class QuantizedWeight:
     # Scales per this many input channels of a row ([..., o, i / block]; GGUF Q8_0: 32), or None:
     # one per row. Block-scaled weights are weight-only (module docstring, 5.).
     block: int | None = dataclasses.field(metadata=dict(static=True), default=None)
+    # Block weights only: a float32 value added per block ([..., o, i / block]; GGUF Q4_1's m),
+    # w = scale * q + offset. None: no offset.
+    offset: jax.Array | None = None
 
     @property
     def dtype(self):
@@ -99,13 +109,16 @@ class QuantizedWeight:
         return "int8" if self.q.dtype == jnp.int8 else "fp8"
 
     def dequantize(self) -> jax.Array:
-        return self._scaled(self.q, self.scale).astype(self.dtype)
+        return self._scaled(self.q, self.scale, self.offset).astype(self.dtype)
 
-    def _scaled(self, q, scale):
-        """q [..., i] times its scales (per row [...], or per block [..., i / block]), float32."""
+    def _scaled(self, q, scale, offset=None):
+        """q [..., i] times its scales (per row [...], or per block [..., i / block]) plus the
+        block offsets if given, float32."""
         if self.block is None:
             return q.astype(jnp.float32) * scale[..., None]
         blocks = q.astype(jnp.float32).reshape(*q.shape[:-1], -1, self.block) * scale[..., None]
+        if offset is not None:
+            blocks = blocks + offset[..., None]
         return blocks.reshape(q.shape)
 
     def quantizes_activations(self, num_rows: int) -> bool:
@@ -130,9 +143,16 @@ class QuantizedWeight:
             acc = jnp.int32 if self.method == "int8" else jnp.float32
             y = jax.lax.dot_general(xq, self.q, (((1,), (1,)), ((), ())), preferred_element_type=acc)
             return y[:rows].astype(jnp.float32) * sx * self.scale[None, :]
-        if self.block is not None:  # dequantized inside the product (block scales along i)
+        if self.block is not None:  # weight-only, the block scales applied inside the dot (5.)
             x = x.astype(self.dtype)
-            return jnp.dot(x, self.dequantize().T, preferred_element_type=jnp.float32)
+            y = jnp.dot(x, self._scaled(self.q, self.scale).astype(self.dtype).T, preferred_element_type=jnp.float32)
+            offset = self.offset
+            if offset is None and jax.default_backend() != "cpu":
+                return y
+            if offset is None:  # + blocksum(x) . 0: exact, and XLA:CPU then fuses the scaling (5.)
+                offset = jnp.zeros(self.scale.shape, jnp.float32)
+            sums = x.astype(jnp.float32).reshape(x.shape[0], -1, self.block).sum(-1)  # [t, i / block]
+            return y + jnp.dot(sums, offset.T, preferred_element_type=jnp.float32)
         # Written as x . (q^T converted): XLA:CPU then fuses the transpose and the convert into
         # the product's loop and reads the int8 weight once (the same product contracted on q's
         # last axis converted the whole weight to float first: 5x slower at one row).
@@ -176,7 +196,8 @@ class QuantizedWeight:
             bits = jax.lax.bitcast_convert_type(self.q, jnp.uint8)[ids]
             rows = jax.lax.bitcast_convert_type(bits, self.q.dtype).astype(jnp.float32)
         if self.block is not None:
-            return self._scaled(rows, self.scale[ids]).astype(self.dtype).astype(jnp.float32)
+            offset = None if self.offset is None else self.offset[ids]
+            return self._scaled(rows, self.scale[ids], offset).astype(self.dtype).astype(jnp.float32)
         return (rows * self.scale[ids][:, None]).astype(self.dtype).astype(jnp.float32)
 
 
