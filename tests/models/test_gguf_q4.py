@@ -79,8 +79,8 @@ def test_block_products_equal_the_dequantized_float_product(rows):
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
 def test_gguf_q4_layers_load_in_their_blocks(tmp_path, qtype):
     """native_blocks=True: every layer product a block weight in the served layout, dequantizing
-    to the float load's fused matrices bit for bit; logits equal the float load's (the layers
-    a list and stacked)."""
+    to the float load's fused matrices bit for bit; logits equal the float load's (Q4_1's
+    layers stacked on a layer axis)."""
     params = random_params(TINY, seed=5)
     path = tmp_path / "q4.gguf"
     write_gguf(path, TINY, params, qtype)
@@ -96,9 +96,8 @@ def test_gguf_q4_layers_load_in_their_blocks(tmp_path, qtype):
     assert isinstance(native["embed"], QuantizedWeight)  # token_embd written in the same type
     ids = jnp.arange(12) % config.vocab_size
     want = np.asarray(forward_dense(floats, config, ids))
-    for layers in (native, stack_layers(native)):
-        np.testing.assert_allclose(np.asarray(forward_dense(layers, config, ids)), want, rtol=1e-5,
-                                   atol=1e-5 * np.abs(want).max())  # float rounding, at the logits' scale
+    got = forward_dense(stack_layers(native) if qtype == Q.Q4_1 else native, config, ids)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())  # float rounding
 
 
 def test_a_product_with_a_part_in_another_type_stays_float_and_is_logged(tmp_path, caplog):
@@ -122,9 +121,9 @@ def test_a_product_with_a_part_in_another_type_stays_float_and_is_logged(tmp_pat
 
 
 def test_engine_serves_q4_layers_in_blocks_with_the_float_greedy_tokens(tmp_path):
-    """quantization="gguf" on a written Q4_1 GGUF (Q4_0 token_embd): greedy tokens of a lone and
-    of batched requests equal the float load's engine; the weight bytes are the blocks' (1 byte a
-    value + float32 scales and offsets), not float32's."""
+    """quantization="gguf" on a written Q4_1 GGUF (Q4_0 token_embd), its layers stacked for a scan:
+    greedy tokens of a lone and of batched requests equal the float load's engine (per-layer
+    buffers); the weight bytes are the blocks' (1 byte a value + float32 scales and offsets)."""
     from engine.config import EngineConfig
     from engine.core.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
@@ -144,15 +143,18 @@ def test_engine_serves_q4_layers_in_blocks_with_the_float_greedy_tokens(tmp_path
     for quantization in (None, "gguf"):
         knobs = dict(TINY_KNOBS, model=str(path), tokenizer=str(default_model_path()), quantization=quantization,
                      max_num_batched_tokens=16, max_model_len=64, num_kv_blocks=17, token_buckets=(1, 16),
-                     max_num_seqs=4, seq_buckets=(4,), prompt_scoring_bucket=False)
+                     max_num_seqs=4, seq_buckets=(4,), prompt_scoring_bucket=False,
+                     stack_layer_weights=quantization == "gguf")  # blocks on a scan over stacked layers
         engine = LLMEngine(EngineConfig(**knobs), progress=False)
         outs = run_to_completion(engine, requests)
         alone = run_to_completion(engine, requests[:1])
         tokens[quantization] = [outs[r].outputs[0].token_ids for r, _, _ in requests]
         assert alone["r0"].outputs[0].token_ids == tokens[quantization][0]
         weight_bytes[quantization] = engine.get_stats().weight_bytes_per_device[0]
-        layer = engine.runner.params["layers"][0]
-    assert isinstance(layer["gate_up_proj"], QuantizedWeight) and layer["gate_up_proj"].offset is not None
+        layers = engine.runner.params["layers"]
+    gate_up = layers["gate_up_proj"]  # stacked [n, 2f, e]
+    assert isinstance(gate_up, QuantizedWeight) and gate_up.q.shape == (2, 2 * config.intermediate_size, config.hidden_size)
+    assert gate_up.offset.shape == (2, 2 * config.intermediate_size, config.hidden_size // 32)
     assert tokens["gguf"] == tokens[None]
     e, f, kv = config.hidden_size, config.intermediate_size, config.num_kv_heads * config.head_dim
     matrices = config.num_layers * e * (e + 2 * kv + e + 3 * f) + config.vocab_size * e
