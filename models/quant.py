@@ -69,6 +69,10 @@ _STORED = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 QUANTIZED_LAYER_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "experts_gate_up",
                            "experts_down")
 QUANTIZED_TOP_WEIGHTS = ("embed", "output_proj")
+# Block weights on XLA:CPU (module docstring, 5.): products of 2-7 rows are padded to this many,
+# where the split form's fusion is 2x faster than at 2-6 rows; a weight without offset of more
+# output rows than _SPLIT_MAX_ROWS (a vocabulary table) runs x . dequantized^T, 2x faster there.
+_SPLIT_MIN_ROWS, _SPLIT_MAX_ROWS = 8, 16384
 _GROUPED_OUT_MAJOR = jax.lax.RaggedDotDimensionNumbers(  # as models/moe.py's grouped product
     dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
 
@@ -143,22 +147,33 @@ class QuantizedWeight:
             acc = jnp.int32 if self.method == "int8" else jnp.float32
             y = jax.lax.dot_general(xq, self.q, (((1,), (1,)), ((), ())), preferred_element_type=acc)
             return y[:rows].astype(jnp.float32) * sx * self.scale[None, :]
-        if self.block is not None:  # weight-only, the block scales applied inside the dot (5.)
-            x = x.astype(self.dtype)
-            y = jnp.dot(x, self._scaled(self.q, self.scale).astype(self.dtype).T, preferred_element_type=jnp.float32)
-            offset = self.offset
-            if offset is None and jax.default_backend() != "cpu":
-                return y
-            if offset is None:  # + blocksum(x) . 0: exact, and XLA:CPU then fuses the scaling (5.)
-                offset = jnp.zeros(self.scale.shape, jnp.float32)
-            sums = x.astype(jnp.float32).reshape(x.shape[0], -1, self.block).sum(-1)  # [t, i / block]
-            return y + jnp.dot(sums, offset.T, preferred_element_type=jnp.float32)
+        if self.block is not None:
+            return self._block_product(x.astype(self.dtype))
         # Written as x . (q^T converted): XLA:CPU then fuses the transpose and the convert into
         # the product's loop and reads the int8 weight once (the same product contracted on q's
         # last axis converted the whole weight to float first: 5x slower at one row).
         x = x.astype(self.dtype)
         y = jnp.dot(x, self.q.T.astype(self.dtype), preferred_element_type=jnp.float32)
         return y * self.scale[None, :]
+
+    def _block_product(self, x):
+        """Block weights, weight-only and exact, in the form measured fastest for the row count
+        on XLA:CPU (module docstring, 5.): one row x . dequantized^T (a loop reading the codes
+        once); more rows the split form x . (scale q)^T + blocksum(x) . offset^T, padded to 8
+        rows, with offset 0 where there is none, except on a table-sized weight."""
+        rows, cpu = x.shape[0], jax.default_backend() == "cpu"
+        if rows == 1 or (not cpu and self.offset is None):
+            return jnp.dot(x, self.dequantize().T, preferred_element_type=jnp.float32)
+        offset = self.offset
+        if offset is None and self.q.shape[0] > _SPLIT_MAX_ROWS:
+            return jnp.dot(x, self.dequantize().T, preferred_element_type=jnp.float32)
+        if offset is None:
+            offset = jnp.zeros(self.scale.shape, jnp.float32)
+        if cpu and rows < _SPLIT_MIN_ROWS:
+            x = jnp.concatenate([x, jnp.zeros((_SPLIT_MIN_ROWS - rows, x.shape[1]), x.dtype)])
+        y = jnp.dot(x, self._scaled(self.q, self.scale).astype(self.dtype).T, preferred_element_type=jnp.float32)
+        sums = x.astype(jnp.float32).reshape(x.shape[0], -1, self.block).sum(-1)  # [t, i / block]
+        return (y + jnp.dot(sums, offset.T, preferred_element_type=jnp.float32))[:rows]
 
     def _grouped_activation_product(self, x):
         """Activations quantized per group of `activation_group` input channels: one outlier

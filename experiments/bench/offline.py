@@ -50,7 +50,8 @@ _OUTPUT_LEN = flags.DEFINE_integer("output_len", 128, "fixed: new tokens per req
 _REPEATS = flags.DEFINE_integer("repeats", 3, "fixed: runs per (N, dtype); the median is reported")
 _DTYPES = flags.DEFINE_list("dtypes", [], "fixed: dtypes to compare (default: the platform's); an entry "
                             "DTYPE:QUANTIZATION[:KV_CACHE_DTYPE] quantizes too, e.g. float32:int8, "
-                            "float32:int8:int8, float32::int8 (EngineConfig.quantization, kv_cache_dtype)")
+                            "float32:int8:int8, float32::int8, float32:gguf (a GGUF's own blocks) "
+                            "(EngineConfig.quantization, kv_cache_dtype)")
 _PROFILE = flags.DEFINE_boolean("profile", False, "also print the per-bucket step profile")
 _EXPERT_LOAD = flags.DEFINE_boolean("expert_load", False, "fixed, a mixture of experts: also one run per N on "
                                     "an engine recording each step's expert loads (experiments/bench/expert_load.py)")

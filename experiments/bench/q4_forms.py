@@ -23,6 +23,8 @@ inputs of a row, w = d * q + m. Forms:
   q4 act blocks    x quantized per row to int8, int32 dots per 32-block (batched over blocks),
                    times sx d, plus blocksum(x) . m^T  (d; not exact: x is rounded)
 
+`--head`: the default model's tied lm_head instead (its one product x . embed^T, embed
+[49152, 576]; served as Q8_0, which has the Q4_0 form without offset).
 Medians in ms of `--repeats` rounds, the forms of one row count timed in turn.
 """
 
@@ -37,6 +39,7 @@ _ROWS = flags.DEFINE_list("rows", ["1", "8", "32"], "Rows per product.")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed rounds per row count.")
 _LAYERS = flags.DEFINE_integer("layers", 30, "Layers of products per call.")
 _FORMS = flags.DEFINE_list("forms", [], "Forms to time (default: all).")
+_HEAD = flags.DEFINE_boolean("head", False, "Time the tied lm_head's one product [49152, 576] instead of the layers.")
 
 SHAPES = {"qkv_proj": (960, 576), "o_proj": (576, 576), "gate_up_proj": (3072, 576), "down_proj": (576, 1536)}
 FORMS = ("float32", "int8 wo", "int8x8", "q4 int8 codes", "q4 packed", "q4 packed split", "q4 uint4",
@@ -111,11 +114,12 @@ def build(num_layers: int, forms):
 
     from models.quant import quantize_weight
 
+    shapes = {"head": (49152, 576)} if _HEAD.value else SHAPES
     rng = np.random.default_rng(0)
-    codes = [{k: rng.integers(0, 16, s).astype(np.uint8) for k, s in SHAPES.items()} for _ in range(num_layers)]
+    codes = [{k: rng.integers(0, 16, s).astype(np.uint8) for k, s in shapes.items()} for _ in range(num_layers)]
     dm = [{k: (rng.random((s[0], s[1] // B), np.float32) * 0.01, rng.random((s[0], s[1] // B), np.float32) * -0.05)
-           for k, s in SHAPES.items()} for _ in range(num_layers)]
-    floats = [{k: np.asarray(_deq(jnp.asarray(c[k]), *map(jnp.asarray, dm[n][k]))) for k in SHAPES}
+           for k, s in shapes.items()} for _ in range(num_layers)]
+    floats = [{k: np.asarray(_deq(jnp.asarray(c[k]), *map(jnp.asarray, dm[n][k]))) for k in shapes}
               for n, c in enumerate(codes)]
 
     def packed(c):
@@ -124,7 +128,7 @@ def build(num_layers: int, forms):
         return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(o, i // 2)
 
     def q4(store):
-        return [{k: (store(c[k]), jnp.asarray(dm[n][k][0]), jnp.asarray(dm[n][k][1])) for k in SHAPES}
+        return [{k: (store(c[k]), jnp.asarray(dm[n][k][0]), jnp.asarray(dm[n][k][1])) for k in shapes}
                 for n, c in enumerate(codes)]
 
     weights = {
@@ -145,6 +149,8 @@ def build(num_layers: int, forms):
 
     def make(form):
         def run(layers, x):
+            if _HEAD.value:
+                return product(form, x, layers[0]["head"])
             for d in layers:
                 h = product(form, x, d["qkv_proj"])[:, :576]
                 x = x + product(form, h, d["o_proj"])
@@ -163,7 +169,7 @@ def main(argv):
     import numpy as np
 
     forms = _FORMS.value or list(FORMS)
-    fns = build(_LAYERS.value, forms)
+    fns = build(1 if _HEAD.value else _LAYERS.value, forms)
     print(f"| rows | {' | '.join(forms)} (ms) |")
     print("|" + " --- |" * (len(forms) + 1))
     for rows in map(int, _ROWS.value):
