@@ -34,14 +34,24 @@ layers, [E, o, i] for experts.
    scale [o, i / B], and optionally one `offset` per block (w = scale * q + offset): GGUF's
    Q8_0, Q4_0 (q - 8 held as int8) and Q4_1 (q in 0..15, offset its block minimum m) with B = 32,
    as the file stores them (models/gguf_blocks.py), no float copy made. Their products are
-   weight-only and exact (no activation rounding): y = x . (scale q)^T + blocksum(x) . offset^T,
-   blocksum(x) [t, i / B] the sums of x over each block. Written so for XLA:CPU: with the second
-   (1/B-sized) dot it fuses the whole product, the convert and the block-scale multiply included,
-   into one YNNPACK call at every row count; x . (scale q + offset)^T, or x . (scale q)^T alone,
-   is split into a loop writing a float32 copy of the weight every step and the dot (2-4x slower
-   from 8 rows on). So a block weight with no offset (Q8_0, Q4_0) adds blocksum(x) . 0 on the CPU
-   (exact: + 0). Measured in BUILD_NOTES.md "Quantization" (experiments/bench/q4_forms.py).
-   Lookups dequantize the rows gathered.
+   weight-only and exact (no activation rounding; `_block_product`), in the form measured
+   fastest on XLA:CPU for the static row count t:
+     t = 1      x . dequantized^T: a loop that reads the codes once (the weight never exists
+                in float; as fast as the int8 weight-only form, about 1.8x faster than float32).
+     t > 1      the split form x . (scale q)^T + blocksum(x) . offset^T (blocksum(x) [t, i / B]
+                the sums of x over each block, a dot 1/B the size): XLA:CPU compiles it to one
+                YNNPACK fusion holding the convert, the scale multiply and both dots, where
+                x . (scale q + offset)^T, and even x . (scale q)^T alone, become a loop writing
+                a float32 copy of the weight every step and then the dot (2x slower). So a
+                weight without offset (Q8_0, Q4_0) adds blocksum(x) . 0 (exact: + 0), and 2-7
+                rows are padded to 8 (the fusion is no faster at 2 rows than at 8); a weight of
+                more than 16384 rows (a vocabulary table: the tied lm_head) runs in slices of
+                3072 rows, 2x faster than the split form on the whole (and than a float copy).
+                No float copy of the weight is made at any row count.
+   Still 1.4-2.8x float32's time from 2 rows on: every step expands each weight inside the dot
+   (BUILD_NOTES.md "Quantization", experiments/bench/q4_forms.py). Other platforms: the split
+   form with an offset, x . dequantized^T without (unmeasured). Lookups dequantize the rows
+   gathered.
 
 `QuantizedWeight.dtype` is the float dtype the weight stands for (the model's dtype, what the
 products return to and what a dequantized copy would be), so code that asks a weight for the
@@ -70,9 +80,9 @@ QUANTIZED_LAYER_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "e
                            "experts_down")
 QUANTIZED_TOP_WEIGHTS = ("embed", "output_proj")
 # Block weights on XLA:CPU (module docstring, 5.): products of 2-7 rows are padded to this many,
-# where the split form's fusion is 2x faster than at 2-6 rows; a weight without offset of more
-# output rows than _SPLIT_MAX_ROWS (a vocabulary table) runs x . dequantized^T, 2x faster there.
-_SPLIT_MIN_ROWS, _SPLIT_MAX_ROWS = 8, 16384
+# where the split form's fusion is 2x faster than at 2-6 rows; a weight of more output rows than
+# _SPLIT_MAX_ROWS (a vocabulary table) runs in slices of _SPLIT_CHUNK rows, 2x faster than whole.
+_SPLIT_MIN_ROWS, _SPLIT_MAX_ROWS, _SPLIT_CHUNK = 8, 16384, 3072
 _GROUPED_OUT_MAJOR = jax.lax.RaggedDotDimensionNumbers(  # as models/moe.py's grouped product
     dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
 
@@ -164,16 +174,20 @@ class QuantizedWeight:
         rows, cpu = x.shape[0], jax.default_backend() == "cpu"
         if rows == 1 or (not cpu and self.offset is None):
             return jnp.dot(x, self.dequantize().T, preferred_element_type=jnp.float32)
-        offset = self.offset
-        if offset is None and self.q.shape[0] > _SPLIT_MAX_ROWS:
-            return jnp.dot(x, self.dequantize().T, preferred_element_type=jnp.float32)
-        if offset is None:
-            offset = jnp.zeros(self.scale.shape, jnp.float32)
+        offset = self.offset if self.offset is not None else jnp.zeros(self.scale.shape, jnp.float32)
         if cpu and rows < _SPLIT_MIN_ROWS:
             x = jnp.concatenate([x, jnp.zeros((_SPLIT_MIN_ROWS - rows, x.shape[1]), x.dtype)])
-        y = jnp.dot(x, self._scaled(self.q, self.scale).astype(self.dtype).T, preferred_element_type=jnp.float32)
         sums = x.astype(jnp.float32).reshape(x.shape[0], -1, self.block).sum(-1)  # [t, i / block]
-        return (y + jnp.dot(sums, offset.T, preferred_element_type=jnp.float32))[:rows]
+
+        def split(q, scale, offset):
+            y = jnp.dot(x, self._scaled(q, scale).astype(self.dtype).T, preferred_element_type=jnp.float32)
+            return y + jnp.dot(sums, offset.T, preferred_element_type=jnp.float32)
+
+        o = self.q.shape[0]
+        if not cpu or o <= _SPLIT_MAX_ROWS:
+            return split(self.q, self.scale, offset)[:rows]
+        return jnp.concatenate([split(self.q[c:c + _SPLIT_CHUNK], self.scale[c:c + _SPLIT_CHUNK],
+                                      offset[c:c + _SPLIT_CHUNK]) for c in range(0, o, _SPLIT_CHUNK)], axis=1)[:rows]
 
     def _grouped_activation_product(self, x):
         """Activations quantized per group of `activation_group` input channels: one outlier

@@ -76,6 +76,16 @@ def test_block_products_equal_the_dequantized_float_product(rows):
         np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
+def test_a_table_sized_block_product_in_slices_equals_the_dequantized_product():
+    """More than 16384 output rows (a vocabulary table, the tied lm_head): sliced on the CPU."""
+    rows, cols = 16384 + 3072 + 100, 32
+    w = block_weight("f.gguf", _tensor(_raw_blocks(Q.Q8_0, rows, cols, seed=2), Q.Q8_0, rows, cols), "float32")
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((5, cols), np.float32))
+    want = np.asarray(x) @ np.asarray(w.dequantize()).T
+    got = np.asarray(jax.jit(lambda a, b: b.product("te,ne->tn", a))(x, w))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
 def test_gguf_q4_layers_load_in_their_blocks(tmp_path, qtype):
     """native_blocks=True: every layer product a block weight in the served layout, dequantizing
