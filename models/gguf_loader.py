@@ -183,6 +183,7 @@ def load_gguf(path: str | os.PathLike, *, dtype: str = "float32", progress: bool
         where = f"{path}: layer {i}"
         layer = _served_layer(config, m, natives, where) if served else layer_from_matrices(config, m, where)
         layers.append(_place(layer, dtype, host))
+
     def table(name: str):  # in its blocks (native_blocks) where it has a block form
         if native_blocks and name in tensors and tensors[name].tensor_type.name in NATIVE_TYPES:
             return block_weight(path, tensors[name], dtype)
@@ -206,9 +207,9 @@ def load_gguf(path: str | os.PathLike, *, dtype: str = "float32", progress: bool
     bar.close()
     if dequantized:
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(dequantized.items()))
-        why = "a mixture of experts' layers are" if config.num_experts else f"only {', '.join(NATIVE_TYPES)} are"
-        log.warning("%s: quantization='gguf' serves %s tensors in their own blocks; %s (%s) dequantized to %s",
-                    path, "/".join(NATIVE_TYPES), why, kinds, dtype)
+        why = ("a mixture of experts' layers are served in float" if config.num_experts else
+               f"types with no block form here (only {'/'.join(NATIVE_TYPES)}), or fused with one")
+        log.warning("%s: quantization='gguf': %s tensors dequantized to %s (%s)", path, kinds, dtype, why)
     return config, params, reader
 
 

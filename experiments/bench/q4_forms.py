@@ -11,14 +11,15 @@ inputs of a row, w = d * q + m. Forms:
   float32          x . w^T (the dequantized weights)
   int8 wo / int8x8 models/quant.py's per-channel int8: weight-only, and int8 x int8 per row
   q4 int8 codes    q held as int8 [o, i], dequantized inside the step, x . deq(q)^T  (a)
-  Q4_1 served      the same codes in the "split" form models/quant.py serves (QuantizedWeight
-                   with block=32, offset=m): x . (d q)^T + blocksum(x) . m^T
+  Q4_1 served      the same codes as models/quant.py serves them (QuantizedWeight with block=32,
+                   offset=m; its form per row count: x . dequantized^T at one row, from two the
+                   "split" form x . (d q)^T + blocksum(x) . m^T, padded to 8 rows)
   q4 packed        q as nibbles uint8 [o, i / 2] (GGUF's order), unpacked inside the step  (b)
   q4 packed split  the packed nibbles in the split form
   q4 uint4         q stored as jnp.uint4 [o, i]  (c), and "q4 uint4 split"
   q4_0 plain       Q4_0's weight (signed codes q - 8 as int8, no m): x . (d (q - 8))^T
-  Q4_0 served      the same as models/quant.py serves it (+ blocksum(x) . 0, which XLA:CPU needs
-                   to fuse the scaling into the dot)
+  Q4_0 served      the same as models/quant.py serves it (from two rows the split form with
+                   + blocksum(x) . 0, which XLA:CPU needs to fuse the scaling into the dot)
   q4 barrier       (a) with the dequantized weight materialized first (optimization_barrier)
   q4 act blocks    x quantized per row to int8, int32 dots per 32-block (batched over blocks),
                    times sx d, plus blocksum(x) . m^T  (d; not exact: x is rounded)
