@@ -14,7 +14,8 @@ d * q is exact in float32 (an 11-bit float16 significand times a 4- or 8-bit int
 one rounding is the + m, wherever it is computed.
 
 Stored: one int8 per value (Q4_0 as q - 8 in -8..7, the same form as Q8_0; Q4_1 as q in 0..15)
-plus float32 scales (and minimums): Q4_0 and Q8_0 1.125 bytes per weight, Q4_1 1.25. Packed
+plus float32 scales and offsets (Q4_1's minimums; -0.0 for Q8_0 and Q4_0, which the CPU's fast
+product form needs, models/quant.py 5.): 1.25 bytes per weight. Packed
 nibbles would be 0.5 + scales, but XLA:CPU does not fuse the unpacking into the product and runs
 it several times slower (BUILD_NOTES.md "Quantization", experiments/bench/q4_forms.py).
 Other types (F32/F16/BF16, Q5_0/Q5_1, the K-quants) have no block form here and are dequantized
@@ -47,24 +48,28 @@ def block_weight(path: str, tensor, dtype: str) -> QuantizedWeight:
     def half(at):  # the float16 at byte `at` of every block, as float32
         return np.ascontiguousarray(blocks[..., at:at + 2]).view(np.float16)[..., 0].astype(np.float32)
 
+    d = half(0)
+    # Q8_0 and Q4_0 get offsets of -0.0 (x + -0.0 is x bit for bit, negative zeros included):
+    # the product's fast form on XLA:CPU needs an offset, and a constant one miscompiles there
+    # (models/quant.py, 5.).
     if kind == "Q8_0":
         q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(rows, cols)
-        return QuantizedWeight(q, half(0), dtype_name=dtype, block=BLOCK)
+        return QuantizedWeight(q, d, dtype_name=dtype, block=BLOCK, offset=np.full_like(d, -0.0))
     nibbles = blocks[..., 2 if kind == "Q4_0" else 4:]  # [rows, cols / 32, 16]
     q = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).reshape(rows, cols).astype(np.int8)
     if kind == "Q4_0":
-        return QuantizedWeight(q - np.int8(8), half(0), dtype_name=dtype, block=BLOCK)
-    return QuantizedWeight(q, half(0), dtype_name=dtype, block=BLOCK, offset=half(2))
+        return QuantizedWeight(q - np.int8(8), d, dtype_name=dtype, block=BLOCK, offset=np.full_like(d, -0.0))
+    return QuantizedWeight(q, d, dtype_name=dtype, block=BLOCK, offset=half(2))
 
 
 def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
     """Block weights [o_k, i] stacked along their rows (a fused product: qkv_proj, gate_up_proj);
-    a part with no offset gets zeros (exact: d * q + 0 is d * q)."""
+    a part with no offset gets -0.0 (exact: d * q + -0.0 is d * q)."""
     if len(weights) == 1:
         return weights[0]
     offset = None
     if any(w.offset is not None for w in weights):
-        offset = np.concatenate([w.offset if w.offset is not None else np.zeros_like(w.scale) for w in weights])
+        offset = np.concatenate([w.offset if w.offset is not None else np.full_like(w.scale, -0.0) for w in weights])
     first = weights[0]
     return QuantizedWeight(np.concatenate([w.q for w in weights]), np.concatenate([w.scale for w in weights]),
                            first.dtype_name, block=first.block, offset=offset)

@@ -42,16 +42,19 @@ layers, [E, o, i] for experts.
                 the sums of x over each block, a dot 1/B the size): XLA:CPU compiles it to one
                 YNNPACK fusion holding the convert, the scale multiply and both dots, where
                 x . (scale q + offset)^T, and even x . (scale q)^T alone, become a loop writing
-                a float32 copy of the weight every step and then the dot (2x slower). So a
-                weight without offset (Q8_0, Q4_0) adds blocksum(x) . 0 (exact: + 0), and 2-7
-                rows are padded to 8 (the fusion is no faster at 2 rows than at 8); a weight of
-                more than 16384 rows (a vocabulary table: the tied lm_head) runs in slices of
-                3072 rows, 2x faster than the split form on the whole (and than a float copy).
-                No float copy of the weight is made at any row count.
+                a float32 copy of the weight every step and then the dot (2x slower). So the
+                GGUF loader gives Q8_0 and Q4_0 weights offsets of -0.0 (exact, x + -0.0 is x
+                bit for bit; a constant
+                zero offset instead, jnp.zeros in the product, made XLA:CPU's fusion compute
+                garbage, inf and NaN, for the [49152, 576] lm_head in the full model's step);
+                2-7 rows are padded to 8 (the fusion is no faster at 2 rows than at 8); a
+                weight of more than 16384 rows (a vocabulary table: the tied lm_head) runs in
+                slices of 3072 rows, 2x faster than the split form on the whole (and than a
+                float copy). No float copy of the weight is made at any row count.
+     no offset  x . dequantized^T at every row count (a block weight built without offset).
    Still 1.4-2.8x float32's time from 2 rows on: every step expands each weight inside the dot
-   (BUILD_NOTES.md "Quantization", experiments/bench/q4_forms.py). Other platforms: the split
-   form with an offset, x . dequantized^T without (unmeasured). Lookups dequantize the rows
-   gathered.
+   (BUILD_NOTES.md "Quantization", experiments/bench/q4_forms.py). Other platforms: the same
+   forms, without the padding and slicing (unmeasured). Lookups dequantize the rows gathered.
 
 `QuantizedWeight.dtype` is the float dtype the weight stands for (the model's dtype, what the
 products return to and what a dequantized copy would be), so code that asks a weight for the
@@ -168,13 +171,13 @@ class QuantizedWeight:
 
     def _block_product(self, x):
         """Block weights, weight-only and exact, in the form measured fastest for the row count
-        on XLA:CPU (module docstring, 5.): one row x . dequantized^T (a loop reading the codes
-        once); more rows the split form x . (scale q)^T + blocksum(x) . offset^T, padded to 8
-        rows, with offset 0 where there is none, except on a table-sized weight."""
+        on XLA:CPU (module docstring, 5.): one row, or no offset, x . dequantized^T (at one row
+        a loop reading the codes once); more rows the split form x . (scale q)^T +
+        blocksum(x) . offset^T, padded to 8 rows on the CPU, a table-sized weight in slices."""
         rows, cpu = x.shape[0], jax.default_backend() == "cpu"
-        if rows == 1 or (not cpu and self.offset is None):
+        offset = self.offset
+        if rows == 1 or offset is None:
             return jnp.dot(x, self.dequantize().T, preferred_element_type=jnp.float32)
-        offset = self.offset if self.offset is not None else jnp.zeros(self.scale.shape, jnp.float32)
         if cpu and rows < _SPLIT_MIN_ROWS:
             x = jnp.concatenate([x, jnp.zeros((_SPLIT_MIN_ROWS - rows, x.shape[1]), x.dtype)])
         sums = x.astype(jnp.float32).reshape(x.shape[0], -1, self.block).sum(-1)  # [t, i / block]

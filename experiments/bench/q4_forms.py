@@ -18,8 +18,9 @@ inputs of a row, w = d * q + m. Forms:
   q4 packed split  the packed nibbles in the split form
   q4 uint4         q stored as jnp.uint4 [o, i]  (c), and "q4 uint4 split"
   q4_0 plain       Q4_0's weight (signed codes q - 8 as int8, no m): x . (d (q - 8))^T
-  Q4_0 served      the same as models/quant.py serves it (from two rows the split form with
-                   + blocksum(x) . 0, which XLA:CPU needs to fuse the scaling into the dot)
+  Q4_0 served      the same as models/quant.py serves it (zero offsets, as the GGUF loader
+                   stores them: from two rows the split form with + blocksum(x) . 0, which
+                   XLA:CPU needs to fuse the scaling into the dot)
   q4 barrier       (a) with the dequantized weight materialized first (optimization_barrier)
   q4 act blocks    x quantized per row to int8, int32 dots per 32-block (batched over blocks),
                    times sx d, plus blocksum(x) . m^T  (d; not exact: x is rounded)
@@ -87,7 +88,8 @@ def product(form, x, w):
     if form in ("Q4_1 served", "Q4_0 served"):
         from models.quant import QuantizedWeight
 
-        return QuantizedWeight(q, d, block=B, offset=m if form == "Q4_1 served" else None).product("te,ne->tn", x)
+        offset = m if form == "Q4_1 served" else jnp.full_like(d, -0.0)  # Q4_0, as models/gguf_blocks.py
+        return QuantizedWeight(q, d, block=B, offset=offset).product("te,ne->tn", x)
     if form in ("q4 uint4 split", "q4 packed split", "q4_0 plain"):
         q = _unpack(q) if form == "q4 packed split" else q
         o, i = q.shape

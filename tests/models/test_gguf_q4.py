@@ -50,7 +50,8 @@ def test_block_decode_is_gguf_bit_for_bit(qtype):
     raw = _raw_blocks(qtype, rows, cols, seed=1)
     want = quants.dequantize(raw, qtype).reshape(rows, cols)
     w = block_weight("f.gguf", _tensor(raw, qtype, rows, cols), "float32")
-    assert w.q.dtype == np.int8 and w.block == 32 and (w.offset is not None) == (qtype == Q.Q4_1)
+    assert w.q.dtype == np.int8 and w.block == 32 and w.offset.shape == w.scale.shape
+    assert qtype == Q.Q4_1 or not np.any(w.offset)  # Q8_0, Q4_0: zero offsets
     for got in (w.dequantize(), jax.jit(QuantizedWeight.dequantize)(w)):
         np.testing.assert_array_equal(np.asarray(got).view(np.uint32), want.view(np.uint32))
     np.testing.assert_array_equal(np.asarray(w.rows(jnp.array([4, 0]))).view(np.uint32), want[[4, 0]].view(np.uint32))
@@ -61,7 +62,8 @@ def test_block_decode_is_gguf_bit_for_bit(qtype):
 @pytest.mark.parametrize("rows", [1, 3, 8, 32])
 def test_block_products_equal_the_dequantized_float_product(rows):
     """A fused product of mixed parts (Q4_0, Q4_1, Q8_0 rows: zero offsets for the first and
-    last) against x . dequantized^T, weight-only at every row count."""
+    last) against x . dequantized^T, weight-only at every row count; and a block weight made
+    without offset (x . dequantized^T)."""
     cols = 128
     parts = [block_weight("f.gguf", _tensor(_raw_blocks(t, n, cols, seed=n), t, n, cols), "float32")
              for t, n in ((Q.Q4_0, 40), (Q.Q4_1, 24), (Q.Q8_0, 16))]
@@ -70,7 +72,8 @@ def test_block_products_equal_the_dequantized_float_product(rows):
     np.testing.assert_array_equal(np.asarray(w.dequantize()), dense)
     x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, cols), np.float32))
     want = np.asarray(x) @ dense.T
-    for weight in (w, parts[0]):
+    bare = QuantizedWeight(parts[0].q, parts[0].scale, block=32)
+    for weight in (w, bare):
         ref = want if weight is w else np.asarray(x) @ dense[:40].T
         got = jax.jit(lambda a, b: b.product("te,ne->tn", a))(x, weight)
         np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
@@ -101,12 +104,13 @@ def test_gguf_q4_layers_load_in_their_blocks(tmp_path, qtype):
         for key in SERVED:
             w = got[key]
             assert isinstance(w, QuantizedWeight) and w.q.dtype == jnp.int8 and w.scale.dtype == jnp.float32
-            assert (w.offset is not None) == (qtype == Q.Q4_1)
+            assert qtype == Q.Q4_1 or not np.any(np.asarray(w.offset))
             np.testing.assert_array_equal(np.asarray(w.dequantize()), np.asarray(want[key]))
     assert isinstance(native["embed"], QuantizedWeight)  # token_embd written in the same type
     ids = jnp.arange(12) % config.vocab_size
-    want = np.asarray(forward_dense(floats, config, ids))
-    got = forward_dense(stack_layers(native) if qtype == Q.Q4_1 else native, config, ids)
+    forward = jax.jit(forward_dense, static_argnums=1)  # the forms as compiled together
+    want = np.asarray(forward(floats, config, ids))
+    got = forward(stack_layers(native) if qtype == Q.Q4_1 else native, config, ids)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())  # float rounding
 
 
@@ -168,6 +172,5 @@ def test_engine_serves_q4_layers_in_blocks_with_the_float_greedy_tokens(tmp_path
     assert tokens["gguf"] == tokens[None]
     e, f, kv = config.hidden_size, config.intermediate_size, config.num_kv_heads * config.head_dim
     matrices = config.num_layers * e * (e + 2 * kv + e + 3 * f) + config.vocab_size * e
-    q4_1 = matrices - config.vocab_size * e  # the layers: Q4_1, scales and offsets
-    assert weight_bytes[None] - weight_bytes["gguf"] == (4 * matrices - q4_1 * (1 + 8 / 32)
-                                                        - config.vocab_size * e * (1 + 4 / 32))
+    # every block weight: 1 byte a value, float32 scales and offsets (-0.0 for Q4_0) per 32
+    assert weight_bytes[None] - weight_bytes["gguf"] == matrices * (4 - 1 - 8 / 32)
