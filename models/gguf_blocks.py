@@ -1,7 +1,7 @@
 """GGUF block types served in their own quantization (EngineConfig.quantization="gguf"): Q8_0,
 Q4_0 and Q4_1 read from the file's raw bytes into models/quant.QuantizedWeight with `block=32`
-(int8 codes [rows, cols], float32 block scales [rows, cols / 32], Q4_1's float32 block minimums
-as `offset`), with no float copy of the weights made; and the served layout (q/k/v and gate/up
+(int8 codes [rows, cols], float32 block scales and offsets [rows, cols / 32]: Q4_1's block
+minimums, -0.0 for the others), with no float copy of the weights made; and the served layout (q/k/v and gate/up
 fused along the output rows, models/served_layout.py) built from them.
 
 Block layouts (gguf.quants; the decode here is bit-identical to its numpy one, tests/models/
@@ -15,11 +15,11 @@ one rounding is the + m, wherever it is computed.
 
 Stored: one int8 per value (Q4_0 as q - 8 in -8..7, the same form as Q8_0; Q4_1 as q in 0..15)
 plus float32 scales and offsets (Q4_1's minimums; -0.0 for Q8_0 and Q4_0, which the CPU's fast
-product form needs, models/quant.py 5.): 1.25 bytes per weight. Packed
-nibbles would be 0.5 + scales, but XLA:CPU does not fuse the unpacking into the product and runs
+product form needs, models/quant.py 5.): 1.25 bytes per weight. Packed nibbles would be
+0.5 + scales, but XLA:CPU does not fuse the unpacking into the product and runs
 it several times slower (BUILD_NOTES.md "Quantization", experiments/bench/q4_forms.py).
 Other types (F32/F16/BF16, Q5_0/Q5_1, the K-quants) have no block form here and are dequantized
-to the model's dtype as before (`load_gguf` logs which, once per file).
+to the model's dtype as before (`load_gguf` logs the quantized ones, once per file).
 """
 
 from __future__ import annotations
