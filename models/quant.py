@@ -53,8 +53,9 @@ layers, [E, o, i] for experts.
                 float copy). No float copy of the weight is made at any row count.
      no offset  x . dequantized^T at every row count (a block weight built without offset).
    Still 1.2-2.4x float32's time from 2 rows on (the lm_head 3.7x at 8): each step expands
-   every weight in the dot (BUILD_NOTES.md "Quantization", experiments/bench/q4_forms.py). Other platforms: the same
-   forms, without the padding and slicing (unmeasured). Lookups dequantize the rows gathered.
+   every weight in the dot (BUILD_NOTES.md "Quantization", experiments/bench/q4_forms.py).
+   Other platforms: the same forms, without the padding and slicing (unmeasured). Lookups
+   dequantize the rows gathered.
 
 `QuantizedWeight.dtype` is the float dtype the weight stands for (the model's dtype, what the
 products return to and what a dequantized copy would be), so code that asks a weight for the
