@@ -26,7 +26,7 @@ class EngineConfig:
     model: str = "default"  # "default", a GGUF file, a HF folder, an orbax folder, random:<name>
     tokenizer: str | None = None  # tokenizer path when the model path carries none
     dtype: str | None = None  # None: float32 on the CPU, bfloat16 on accelerators
-    quantization: str | None = None  # weights quantized at load, per output channel (models/quant.py): "int8" or "fp8" (e4m3); "gguf": a GGUF's Q8_0 tables (token_embd, output) served in their own int8 blocks, the rest dequantized to the dtype; None: the dtype's weights
+    quantization: str | None = None  # weights quantized at load, per output channel (models/quant.py): "int8" or "fp8" (e4m3); "gguf": a GGUF's Q8_0/Q4_0/Q4_1 tensors (tables, and a dense model's layer products) served in their own blocks (int8 codes, float32 block scales; models/gguf_blocks.py), the rest dequantized to the dtype; None: the dtype's weights
     quantization_activation_rows: int | None = None  # with quantization: products of at least this many rows quantize their activations too (int8 x int8 -> int32 / fp8 x fp8, dynamic per-row scales), smaller ones convert the weights inside a float dot; None: the platform's measured default (QUANT_ACTIVATION_ROWS); 0: every product; a number above max_num_batched_tokens: none
     quantization_smoothing: str | float | None = None  # with int8/fp8: SmoothQuant-style smoothing before quantizing (models/smoothing.py: per-channel factors from a calibration pass over a fixed text at load, folded into the norms and weights), its migration strength alpha in [0, 1] (e.g. 0.5) or "off"; None: the platform's measured default (QUANT_SMOOTHING; one device, no LoRA, some product quantizing its activations). Not on a mesh nor with LoRA
     attention_backend: str = "auto"  # auto: Pallas on TPU/GPU, xla on the CPU
@@ -190,7 +190,7 @@ class EngineConfig:
         if self.quantization == "gguf" and mesh:
             raise ValueError("EngineConfig.quantization='gguf' is not implemented on a mesh (tensor_parallel_size="
                              f"{self.tensor_parallel_size}, data_parallel_size={self.data_parallel_size}, "
-                             f"num_processes={self.num_processes}): its Q8_0 tables are placed on one device; "
+                             f"num_processes={self.num_processes}): its block weights are placed on one device; "
                              "int8 and fp8 shard")
         # Tensor and data parallelism, multi-host meshes and disaggregation (each pool's engine
         # quantizes its own copy; the KV handover moves an 8-bit cache's scales with its values,

@@ -9,23 +9,34 @@ norms hold 1 + w, models/gguf_config.py), the router and stacked experts (ffn_ga
 ffn_{gate,up,down}_exps [E, out, in]) instead of the MLP; a tensor left over is an error. Every
 problem raises an error that names the file and what is wrong with it.
 
-`native_blocks=True` keeps the tables (token_embd, an untied output) that the file stores as Q8_0
-in that format: a models/quant.QuantizedWeight of int8 values [rows, cols] and one float32 scale
-per 32 values [rows, cols / 32] (each block's float16 d), read from the raw bytes (34 per block:
-d, then 32 int8) with no float copy made; the products and lookups dequantize inside. Other
-tensors (the layers' matrices: the default model's are Q4_1) are still dequantized to `dtype`.
+`native_blocks=True` (EngineConfig.quantization="gguf") serves the file's Q8_0, Q4_0 and Q4_1
+tensors in their own blocks (models/gguf_blocks.py): the tables (token_embd, an untied output)
+and, for a dense model, the layers' products, read from the raw bytes into
+models/quant.QuantizedWeight (int8 codes, float32 scales per 32 values, Q4_1's minimums) with no
+float copy made; the products and lookups dequantize inside. The layers then come in the served
+layout (models/served_layout.py: qkv_proj, o_proj, gate_up_proj, down_proj, bqkv), since a
+fused product of block weights is built from the file's rows; a product is served in blocks
+when all its parts are Q8_0/Q4_0/Q4_1 (mixed among them is fine), else in float as before.
+Left in float (dequantized to `dtype`, logged once per file when a quantized type is among
+them): Q5_0/Q5_1 and the K-quants (no block form here), and a mixture of experts' layers.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+from collections import Counter
 
+import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from models.gguf_blocks import FUSED, NATIVE_TYPES, block_weight, served_products, unpermute_weight
 from models.gguf_config import config_from_gguf
 from models.quant import QuantizedWeight
 from models.weights import layer_from_matrices, to_device, unpermute_rows
+
+log = logging.getLogger(__name__)
 
 # Tensor types we dequantize (all through gguf.quants, which is numpy-vectorized).
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "F64", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
@@ -100,22 +111,6 @@ def _dequantize(path: str, tensor) -> np.ndarray:
     return arr.reshape(expected)
 
 
-Q8_0_BLOCK, Q8_0_BYTES = 32, 34  # values per block; bytes per block (float16 d, 32 x int8)
-
-
-def q8_0_weight(path: str, tensor, dtype: str) -> QuantizedWeight:
-    """A Q8_0 tensor [rows, cols] as int8 values and float32 block scales [rows, cols / 32]."""
-    rows, cols = (int(n) for n in reversed(tensor.shape))
-    raw = np.asarray(tensor.data).reshape(-1)
-    if cols % Q8_0_BLOCK or raw.size != rows * cols // Q8_0_BLOCK * Q8_0_BYTES:
-        raise ValueError(f"{path}: Q8_0 tensor {tensor.name} holds {raw.size} bytes, expected "
-                         f"{rows * cols // Q8_0_BLOCK * Q8_0_BYTES} for [{rows}, {cols}]")
-    blocks = raw.view(np.uint8).reshape(rows, cols // Q8_0_BLOCK, Q8_0_BYTES)
-    scale = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0].astype(np.float32)
-    q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(rows, cols)
-    return QuantizedWeight(q, scale, dtype_name=dtype, block=Q8_0_BLOCK)
-
-
 def gguf_config(path: str, reader):
     """The file's ModelConfig (metadata, plus the rope_freqs tensor where llama3 scaling is baked
     in); errors name the file."""
@@ -132,7 +127,8 @@ def gguf_config(path: str, reader):
 def load_gguf(path: str | os.PathLike, *, dtype: str = "float32", progress: bool = True,
               host: bool = False, native_blocks: bool = False):
     """Returns (ModelConfig, params, reader); params are on the default device in `dtype`.
-    native_blocks: Q8_0 tables stay Q8_0 (module docstring)."""
+    native_blocks: Q8_0/Q4_0/Q4_1 tensors stay in their blocks, the layers in the served layout
+    (module docstring)."""
     path = os.fspath(path)
     reader = open_gguf(path)
     tensors = {t.name: t for t in reader.tensors}
@@ -142,41 +138,57 @@ def load_gguf(path: str | os.PathLike, *, dtype: str = "float32", progress: bool
     # (gguf_config has refused a file without general.architecture.)
     permute = reader.fields["general.architecture"].contents() == "llama"
     suffixes = layer_tensors(config)
+    served = native_blocks and not config.num_experts  # layers built in the served layout
+    dequantized = Counter()  # quantized layer tensors with no block form, by type (native_blocks)
 
     def get(tensor_name: str) -> np.ndarray:
         if tensor_name not in tensors:
             raise ValueError(f"{path}: missing tensor {tensor_name}")
+        kind = tensors[tensor_name].tensor_type.name
+        if native_blocks and kind not in ("F32", "F16", "BF16", "F64"):
+            dequantized[kind] += 1
         return _dequantize(path, tensors[tensor_name])
+
+    def native_parts(i: int) -> set[str]:
+        """Our names of layer i's tensors read in blocks: the parts of every served product whose
+        parts are all Q8_0 / Q4_0 / Q4_1."""
+        ours = {v: f"blk.{i}.{k}" for k, v in suffixes.items()}
+        return {p for parts in FUSED.values() if all(p in ours and ours[p] in tensors and
+                                                     tensors[ours[p]].tensor_type.name in NATIVE_TYPES for p in parts)
+                for p in parts} if served else set()
 
     bar = tqdm(total=len(tensors), desc=f"loading {os.path.basename(path)}", unit="tensor",
                disable=not progress, leave=False)
     layers = []
     for i in range(config.num_layers):
-        m = {}
+        m, natives, blocks = {}, {}, native_parts(i)
         for suffix, ours in suffixes.items():
             full = f"blk.{i}.{suffix}"
-            if full in tensors:
+            if ours in blocks:
+                natives[ours] = block_weight(path, tensors[full], dtype)
+            elif full in tensors:
                 m[ours] = get(full)
-                bar.update(1)
+            bar.update(full in tensors)
         if permute:
             for key, heads in (("q", config.num_heads), ("k", config.num_kv_heads),
                                ("q_bias", config.num_heads), ("k_bias", config.num_kv_heads)):
-                if key in m:
+                if key in natives:
+                    natives[key] = unpermute_weight(natives[key], heads)
+                elif key in m:
                     m[key] = unpermute_rows(m[key], heads)
-        layers.append(to_device(layer_from_matrices(config, m, f"{path}: layer {i}"), dtype, host=host))
-    native = {}  # Q8_0 tables kept as they are (native_blocks)
+        where = f"{path}: layer {i}"
+        layer = _served_layer(config, m, natives, where) if served else layer_from_matrices(config, m, where)
+        layers.append(_place(layer, dtype, host))
 
-    def table(name: str, key: str):
-        if native_blocks and name in tensors and tensors[name].tensor_type.name == "Q8_0":
-            native[key] = q8_0_weight(path, tensors[name], dtype)
-            return native[key]
+    def table(name: str):  # in its blocks (native_blocks) where it has a block form
+        if native_blocks and name in tensors and tensors[name].tensor_type.name in NATIVE_TYPES:
+            return block_weight(path, tensors[name], dtype)
         return get(name)
 
-    params = {"embed": table("token_embd.weight", "embed"), "final_norm": get("output_norm.weight")}
+    params = {"embed": table("token_embd.weight"), "final_norm": get("output_norm.weight")}
     if not config.tie_word_embeddings:
-        out = table("output.weight", "output_proj")  # served out-major: [vocab, hidden]
-        if not isinstance(out, QuantizedWeight):
-            params["lm_head"] = out.T
+        out = table("output.weight")  # a block weight is served out-major as stored: [vocab, hidden]
+        params.update({"output_proj": out} if isinstance(out, QuantizedWeight) else {"lm_head": out.T})
     used = {"token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight"}
     used.update(f"blk.{i}.{suffix}" for i in range(config.num_layers) for suffix in suffixes)
     left = sorted(set(tensors) - used)
@@ -186,10 +198,40 @@ def load_gguf(path: str | os.PathLike, *, dtype: str = "float32", progress: bool
     embed_shape = (config.vocab_size, config.hidden_size)
     if params["embed"].shape != embed_shape:
         raise ValueError(f"{path}: token_embd.weight has shape {params['embed'].shape}, expected {embed_shape}")
-    params = to_device({k: v for k, v in params.items() if k not in native}, dtype, host=host)
-    place = np.asarray if host else _to_device_array
-    params.update({k: QuantizedWeight(place(w.q), place(w.scale), w.dtype_name, block=w.block)
-                   for k, w in native.items()})
+    params = _place(params, dtype, host)
     params["layers"] = layers
     bar.close()
+    if dequantized:
+        kinds = ", ".join(f"{n} {k}" for k, n in sorted(dequantized.items()))
+        why = ("a mixture of experts' layers are served in float" if config.num_experts else
+               f"types with no block form here (only {'/'.join(NATIVE_TYPES)}), or fused with one")
+        log.warning("%s: quantization='gguf': %s tensors dequantized to %s (%s)", path, kinds, dtype, why)
     return config, params, reader
+
+
+def _served_layer(config, m: dict, natives: dict, where: str) -> dict:
+    """One layer in the served layout (models/served_layout.py) from its HF-layout float tensors
+    `m` and block weights `natives` (models/gguf_blocks.py)."""
+    e, d = config.hidden_size, config.head_dim
+    layer = served_products(natives, m, config, where)
+    norms = {"attn_norm": e, "mlp_norm": e, "q_norm": d, "k_norm": d, "post_attn_norm": e, "post_mlp_norm": e}
+    for name, size in norms.items():
+        if name in m:
+            if m[name].shape != (size,):
+                raise ValueError(f"{where}: tensor {name} has shape {m[name].shape}, expected {(size,)}")
+            layer[name] = m[name]
+    missing = {"attn_norm", "mlp_norm", "qkv_proj", "o_proj", "gate_up_proj", "down_proj"} - set(layer)
+    if missing:
+        raise ValueError(f"{where}: missing tensor for {sorted(missing)[0]}")
+    return layer
+
+
+def _place(tree: dict, dtype: str, host: bool) -> dict:
+    """Float leaves cast to `dtype` and placed (models/weights.to_device); block weights placed
+    as they are (int8 codes, float32 scales)."""
+    blocks = {k: v for k, v in tree.items() if isinstance(v, QuantizedWeight)}
+    out = to_device({k: v for k, v in tree.items() if k not in blocks}, dtype, host=host)
+    place = np.asarray if host else _to_device_array
+    out.update({k: jax.tree.map(place, w) for k, w in blocks.items()})
+    return out
+

@@ -33,9 +33,30 @@ layers, [E, o, i] for experts.
    BUILD_NOTES.md "Quantization").
 4. The embedding lookup (`rows`) gathers quantized rows (fp8 as its bits) and their scales.
 5. Block scales (`block` B): int8 q [o, i] with one scale per B input channels of a row,
-   scale [o, i / B]: GGUF's Q8_0 (B = 32) as the file stores it (models/gguf_loader.py
-   `native_blocks`), no float copy made. Its products are weight-only: the weight is dequantized
-   inside the product (q times its block scales, converted in the dot's operand); lookups
+   scale [o, i / B], and optionally one `offset` per block (w = scale * q + offset): GGUF's
+   Q8_0, Q4_0 (q - 8 held as int8) and Q4_1 (q in 0..15, offset its block minimum m) with B = 32,
+   as the file stores them (models/gguf_blocks.py), no float copy made. Their products are
+   weight-only and exact (no activation rounding; `_block_product`), in the form measured
+   fastest on XLA:CPU for the static row count t:
+     t = 1      x . dequantized^T: a loop that reads the codes once (the weight never exists
+                in float; as fast as the int8 weight-only form, about 1.8x faster than float32).
+     t > 1      the split form x . (scale q)^T + blocksum(x) . offset^T (blocksum(x) [t, i / B]
+                the sums of x over each block, a dot 1/B the size): XLA:CPU compiles it to one
+                YNNPACK fusion holding the convert, the scale multiply and both dots, where
+                x . (scale q + offset)^T, and even x . (scale q)^T alone, become a loop writing
+                a float32 copy of the weight every step and then the dot (2x slower). So the
+                GGUF loader gives Q8_0 and Q4_0 weights offsets of -0.0 (exact, x + -0.0 is x
+                bit for bit; a constant
+                zero offset instead, jnp.zeros in the product, made XLA:CPU's fusion compute
+                garbage, inf and NaN, for the [49152, 576] lm_head in the full model's step);
+                2-7 rows are padded to 8 (the fusion is no faster at 2 rows than at 8); a
+                weight of more than 16384 rows (a vocabulary table: the tied lm_head) runs in
+                slices of 3072 rows, 2x faster than the split form on the whole (and than a
+                float copy). No float copy of the weight is made at any row count.
+     no offset  x . dequantized^T at every row count (a block weight built without offset).
+   Still 1.2-2.4x float32's time from 2 rows on (the lm_head 3.7x at 8): each step expands
+   every weight in the dot (BUILD_NOTES.md "Quantization", experiments/bench/q4_forms.py).
+   Other platforms: the same forms, without the padding and slicing (unmeasured). Lookups
    dequantize the rows gathered.
 6. Smoothing factors (`input_scale`, float32 [i], from models/smoothing.py for a tied lm_head):
    q and scale quantize W * s (s per input column) and input_scale = 1 / s; a product multiplies
@@ -69,6 +90,10 @@ _STORED = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 QUANTIZED_LAYER_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "experts_gate_up",
                            "experts_down")
 QUANTIZED_TOP_WEIGHTS = ("embed", "output_proj")
+# Block weights on XLA:CPU (module docstring, 5.): products of 2-7 rows are padded to this many,
+# where the split form's fusion is 2x faster than at 2-6 rows; a weight of more output rows than
+# _SPLIT_MAX_ROWS (a vocabulary table) runs in slices of _SPLIT_CHUNK rows, 2x faster than whole.
+_SPLIT_MIN_ROWS, _SPLIT_MAX_ROWS, _SPLIT_CHUNK = 8, 16384, 3072
 _GROUPED_OUT_MAJOR = jax.lax.RaggedDotDimensionNumbers(  # as models/moe.py's grouped product
     dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
 
@@ -91,6 +116,9 @@ class QuantizedWeight:
     # lm_head: SmoothQuant's factor kept at run time) and input_scale = 1 / s; a product's input
     # is multiplied by it first, rows and dequantize() multiply their columns by it: W again.
     input_scale: jax.Array | None = None
+    # Block weights only: a float32 value added per block ([..., o, i / block]; GGUF Q4_1's m),
+    # w = scale * q + offset. None: no offset.
+    offset: jax.Array | None = None
 
     @property
     def dtype(self):
@@ -110,16 +138,19 @@ class QuantizedWeight:
         return "int8" if self.q.dtype == jnp.int8 else "fp8"
 
     def dequantize(self) -> jax.Array:
-        return self._unsmoothed(self._scaled(self.q, self.scale)).astype(self.dtype)
+        return self._unsmoothed(self._scaled(self.q, self.scale, self.offset)).astype(self.dtype)
 
     def _unsmoothed(self, w):
         return w if self.input_scale is None else w * self.input_scale
 
-    def _scaled(self, q, scale):
-        """q [..., i] times its scales (per row [...], or per block [..., i / block]), float32."""
+    def _scaled(self, q, scale, offset=None):
+        """q [..., i] times its scales (per row [...], or per block [..., i / block]) plus the
+        block offsets if given, float32."""
         if self.block is None:
             return q.astype(jnp.float32) * scale[..., None]
         blocks = q.astype(jnp.float32).reshape(*q.shape[:-1], -1, self.block) * scale[..., None]
+        if offset is not None:
+            blocks = blocks + offset[..., None]
         return blocks.reshape(q.shape)
 
     def quantizes_activations(self, num_rows: int) -> bool:
@@ -146,16 +177,37 @@ class QuantizedWeight:
             acc = jnp.int32 if self.method == "int8" else jnp.float32
             y = jax.lax.dot_general(xq, self.q, (((1,), (1,)), ((), ())), preferred_element_type=acc)
             return y[:rows].astype(jnp.float32) * sx * self.scale[None, :]
-        if self.block is not None:  # dequantized inside the product (block scales along i)
-            x = x.astype(self.dtype)
-            return jnp.dot(x, self._scaled(self.q, self.scale).astype(self.dtype).T,
-                           preferred_element_type=jnp.float32)
+        if self.block is not None:
+            return self._block_product(x.astype(self.dtype))
         # Written as x . (q^T converted): XLA:CPU then fuses the transpose and the convert into
         # the product's loop and reads the int8 weight once (the same product contracted on q's
         # last axis converted the whole weight to float first: 5x slower at one row).
         x = x.astype(self.dtype)
         y = jnp.dot(x, self.q.T.astype(self.dtype), preferred_element_type=jnp.float32)
         return y * self.scale[None, :]
+
+    def _block_product(self, x):
+        """Block weights, weight-only and exact, in the form measured fastest for the row count
+        on XLA:CPU (module docstring, 5.): one row, or no offset, x . dequantized^T (at one row
+        a loop reading the codes once); more rows the split form x . (scale q)^T +
+        blocksum(x) . offset^T, padded to 8 rows on the CPU, a table-sized weight in slices."""
+        rows, cpu = x.shape[0], jax.default_backend() == "cpu"
+        offset = self.offset
+        if rows == 1 or offset is None:
+            return jnp.dot(x, self.dequantize().T, preferred_element_type=jnp.float32)
+        if cpu and rows < _SPLIT_MIN_ROWS:
+            x = jnp.concatenate([x, jnp.zeros((_SPLIT_MIN_ROWS - rows, x.shape[1]), x.dtype)])
+        sums = x.astype(jnp.float32).reshape(x.shape[0], -1, self.block).sum(-1)  # [t, i / block]
+
+        def split(q, scale, offset):
+            y = jnp.dot(x, self._scaled(q, scale).astype(self.dtype).T, preferred_element_type=jnp.float32)
+            return y + jnp.dot(sums, offset.T, preferred_element_type=jnp.float32)
+
+        o = self.q.shape[0]
+        if not cpu or o <= _SPLIT_MAX_ROWS:
+            return split(self.q, self.scale, offset)[:rows]
+        return jnp.concatenate([split(self.q[c:c + _SPLIT_CHUNK], self.scale[c:c + _SPLIT_CHUNK],
+                                      offset[c:c + _SPLIT_CHUNK]) for c in range(0, o, _SPLIT_CHUNK)], axis=1)[:rows]
 
     def _grouped_activation_product(self, x):
         """Activations quantized per group of `activation_group` input channels: one outlier
@@ -193,7 +245,8 @@ class QuantizedWeight:
             bits = jax.lax.bitcast_convert_type(self.q, jnp.uint8)[ids]
             rows = jax.lax.bitcast_convert_type(bits, self.q.dtype).astype(jnp.float32)
         if self.block is not None:
-            return self._scaled(rows, self.scale[ids]).astype(self.dtype).astype(jnp.float32)
+            offset = None if self.offset is None else self.offset[ids]
+            return self._scaled(rows, self.scale[ids], offset).astype(self.dtype).astype(jnp.float32)
         return self._unsmoothed(rows * self.scale[ids][:, None]).astype(self.dtype).astype(jnp.float32)
 
 

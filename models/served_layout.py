@@ -22,7 +22,9 @@ def stack_layers(params: dict) -> dict:
     layers = params["layers"]
     if isinstance(layers, dict):
         return params
-    stacked = {name: jnp.stack([layer[name] for layer in layers]) for name in layers[0]}
+    # (tree.map: a quantized weight, models/quant.py, stacks its codes and scales alike)
+    stacked = {name: jax.tree.map(lambda *xs: jnp.stack(xs), *[layer[name] for layer in layers])
+               for name in layers[0]}
     return {**params, "layers": stacked}
 
 

@@ -9,6 +9,8 @@
     python -m experiments.bench.scheduler        # schedule() + update() time per step
     python -m experiments.bench.structured       # the cost of structured output
     python -m experiments.bench.load             # GGUF dequantization against the orbax cache
+    python -m experiments.bench.quant_forms      # int8 / fp8 product forms against float32, per row count
+    python -m experiments.bench.q4_forms         # GGUF Q4 product forms against float32 and int8
     python -m experiments.bench.cold_start       # server launch to a healthy /health
     python -m experiments.bench.profile_step     # where a step's wall time goes, per bucket
     python -m experiments.bench.bf16_agreement   # bfloat16 greedy against the float32 reference

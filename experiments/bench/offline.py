@@ -56,8 +56,8 @@ _OUTPUT_LEN = flags.DEFINE_integer("output_len", 128, "fixed: new tokens per req
 _REPEATS = flags.DEFINE_integer("repeats", 3, "fixed: runs per (N, dtype); the median is reported")
 _DTYPES = flags.DEFINE_list("dtypes", [], "fixed: dtypes to compare (default: the platform's); an entry "
                             "DTYPE:QUANTIZATION[:KV_CACHE_DTYPE[:SMOOTHING]] quantizes too, e.g. float32:int8, "
-                            "float32:int8:int8, float32::int8, float32:int8::off (EngineConfig.quantization, "
-                            "kv_cache_dtype, quantization_smoothing)")
+                            "float32:int8:int8, float32::int8, float32:int8::off, float32:gguf (a GGUF's own "
+                            "blocks) (EngineConfig.quantization, kv_cache_dtype, quantization_smoothing)")
 _PROFILE = flags.DEFINE_boolean("profile", False, "also print the per-bucket step profile")
 _OP_PROFILE = flags.DEFINE_boolean("op_profile", False, "with --profile: also trace the profiled run and print "
                                    "its device time by op class (experiments/lab/op_profile.py)")

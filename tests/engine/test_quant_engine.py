@@ -132,16 +132,17 @@ def test_the_pallas_kernel_serves_the_8bit_cache_as_the_xla_path_does(engine):
 def test_gguf_quantization_needs_a_gguf_file():
     from engine.core.llm_engine import LLMEngine
 
-    with pytest.raises(ValueError, match="quantization='gguf' serves a GGUF file's own Q8_0 blocks"):
+    with pytest.raises(ValueError, match="quantization='gguf' serves a GGUF file's own Q8_0/Q4_0/Q4_1 blocks"):
         LLMEngine(EngineConfig(**dict(TINY_KNOBS, quantization="gguf")), progress=False)
 
 
 @pytest.mark.extended  # make test-extended: two default-model engines, about 30 s on 2 cores
-def test_the_default_model_serves_its_q8_0_embedding_in_its_own_blocks():
-    """quantization="gguf": the default model's token_embd (its one Q8_0 tensor; the layers are
-    Q4_1, still dequantized) is served as int8 with a float32 scale per 32 values, the tied
-    lm_head's product dequantizing inside; greedy tokens equal the float32 engine's and the
-    weights shrink by the embedding's float32 bytes less its int8 and scales."""
+def test_the_default_model_serves_as_shipped_in_its_own_blocks():
+    """quantization="gguf": the default model's token_embd (Q8_0) and its 210 Q4_1 layer matrices
+    are served in their blocks (int8 codes, float32 scales per 32 values, Q4_1's minimums; q/k/v
+    and gate/up fused), the tied lm_head's product dequantizing inside; greedy tokens equal the
+    float32 engine's and the weights shrink from float32 to 1.25 bytes a value (int8 codes, a
+    float32 scale and offset per 32)."""
     from engine.frontends.llm import LLM
     from models.quant import QuantizedWeight
 
@@ -154,8 +155,13 @@ def test_the_default_model_serves_its_q8_0_embedding_in_its_own_blocks():
         llm = LLM("default", quantization=quantization, **knobs)
         tokens[quantization] = [r.outputs[0].token_ids for r in llm.generate(prompts, greedy, use_tqdm=False)]
         weight_bytes[quantization] = llm.engine.get_stats().weight_bytes_per_device[0]
-        embed = llm.engine.runner.params["embed"]
+        params = llm.engine.runner.params
+    embed = params["embed"]
     assert isinstance(embed, QuantizedWeight) and embed.block == 32 and embed.q.dtype == jnp.int8
+    assert not jnp.any(embed.offset)  # Q8_0: zero offsets
+    products = [layer[k] for layer in params["layers"] for k in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
+    assert len(products) == 120 and all(isinstance(w, QuantizedWeight) and w.offset is not None for w in products)
     assert tokens["gguf"] == tokens[None]
     vocab, hidden = embed.shape
-    assert weight_bytes[None] - weight_bytes["gguf"] == vocab * hidden * 4 - vocab * hidden - vocab * hidden // 32 * 4
+    layer_values = sum(w.q.size for w in products)
+    assert weight_bytes[None] - weight_bytes["gguf"] == (vocab * hidden + layer_values) * (4 - 1 - 8 / 32)
