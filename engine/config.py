@@ -197,7 +197,7 @@ class EngineConfig:
         # engine/disaggregation/kv_transfer.py) all serve int8 / fp8 weights and the 8-bit cache.
         if self.quantization == "gguf" and self.disaggregation is not None:
             raise ValueError("EngineConfig.quantization='gguf' is not implemented with disaggregation: its "
-                             "Q8_0 tables are placed on one device, each pool has its own mesh; int8 and fp8 are")
+                             "block weights are placed on one device, each pool has its own mesh; int8 and fp8 are")
 
     def _check_smoothing(self, mesh: bool) -> None:
         alpha = smoothing_alpha(self.quantization_smoothing)  # a bad value: ValueError by name
