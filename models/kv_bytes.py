@@ -5,17 +5,14 @@ head_dim x the model dtype's size; an 8-bit cache ("int8", "fp8_e4m3", pallas_ke
 stores head_dim bytes plus one bfloat16 scale per token and KV head (`SCALE_BYTES`).
 
 Its readers: the engine's pool (engine/step/kv_cache.py kv_bytes_per_token, by dtype name),
-`ModelConfig.kv_bytes_per_token`, the 8-bit cache (pallas_kernels/kv_quant.py) and the capacity
-calculator (experiments/lab/capacity_bytes.py). It imports nothing but the standard library, so
+`ModelConfig.kv_bytes_per_token`, EngineConfig's check of kv_cache_dtype and the capacity
+calculator (experiments/lab/capacity_bytes.py). The 8-bit formats themselves are
+pallas_kernels/kv_quant.py's (EIGHT_BIT_FORMATS; kernels import nothing of models, and a test
+keeps the two lists equal). It imports nothing but the standard library, so
 the calculator sizes a cache without importing jax.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from models.config import ModelConfig
 
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")  # vLLM's names ("auto": the model's dtype)
 SCALE_BYTES = 2  # an 8-bit cache's scale: one bfloat16 per token and kv head
@@ -34,10 +31,10 @@ def bytes_per_value_and_scale(kv_cache_dtype: str, model_itemsize: int, head_dim
     return head_dim + SCALE_BYTES
 
 
-def kv_bytes_per_token(config: ModelConfig, itemsize: int, kv_cache_dtype: str = "auto",
-                       num_layers: int | None = None) -> int:
+def kv_bytes_per_token(config, itemsize: int, kv_cache_dtype: str = "auto", num_layers: int | None = None) -> int:
     """K and V bytes of one token over all layers (or `num_layers` of them), scales counted;
-    `itemsize`: the model dtype's bytes per value."""
+    `config`: a models.config.ModelConfig (its num_layers, num_kv_heads, head_dim; not imported
+    here, which models/config.py imports); `itemsize`: the model dtype's bytes per value."""
     per_head = bytes_per_value_and_scale(kv_cache_dtype, itemsize, config.head_dim)
     layers = config.num_layers if num_layers is None else num_layers
     return 2 * layers * config.num_kv_heads * per_head

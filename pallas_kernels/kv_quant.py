@@ -41,10 +41,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-# The dtypes' names (KV_CACHE_DTYPES), the scale's bytes (SCALE_BYTES) and the bytes per token
-# are models/kv_bytes.py's (jax-free: the capacity calculator reads them without jax).
-from models.kv_bytes import check_kv_cache_dtype
-
+# The 8-bit formats this module implements, by vLLM's names. The bytes per token (values plus
+# SCALE_BYTES) and the engine's list of cache dtypes ("auto" and these) are models/kv_bytes.py's,
+# which has no jax so the capacity calculator reads them without it (kernels import nothing of
+# models: DESIGN.md section 1); tests/pallas_kernels/test_kv_quant_kernels.py keeps the two equal.
+EIGHT_BIT_FORMATS = ("int8", "fp8_e4m3")
 _QMAX = {"int8": 127.0, "fp8_e4m3": 448.0}
 _STORED = {"int8": jnp.int8, "fp8_e4m3": jnp.uint8}
 
@@ -72,6 +73,12 @@ class ScaledCache:
 
     def is_deleted(self) -> bool:
         return self.values.is_deleted() or self.scales.is_deleted()
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
+    """"auto" (the float cache) or one of EIGHT_BIT_FORMATS, else a ValueError naming it."""
+    if kv_cache_dtype != "auto" and kv_cache_dtype not in EIGHT_BIT_FORMATS:
+        raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(EIGHT_BIT_FORMATS)}; got {kv_cache_dtype!r}")
 
 
 def allocate_scaled(shape: tuple[int, ...], kv_cache_dtype: str) -> ScaledCache:

@@ -137,3 +137,14 @@ def test_tpu_kernels_write_an_8bit_cache_as_the_scatter_does(num_kv_heads, kind)
     check(tpu(k_cache, v_cache, k, v, slots, layer), write_kv(k_cache, v_cache, k, v, slots, layer=layer))
     one = [ScaledCache(c.values[1], c.scales[1], kind) for c in (k_cache, v_cache)]
     check(write_kv(*one, k, v, slots, backend="pallas_tpu", interpret=True), write_kv(*one, k, v, slots))
+
+
+def test_the_cache_dtypes_the_pool_sizes_are_the_formats_the_kernels_implement():
+    from models import kv_bytes
+    from pallas_kernels import kv_quant
+
+    assert kv_bytes.KV_CACHE_DTYPES == ("auto", *kv_quant.EIGHT_BIT_FORMATS)
+    for bad in ("fp8_e5m2", "int4"):
+        for check in (kv_bytes.check_kv_cache_dtype, kv_quant.check_kv_cache_dtype):
+            with pytest.raises(ValueError, match=bad):
+                check(bad)
