@@ -15,7 +15,7 @@ that the server is exactly as it was.
    class (prompt tokens, generated tokens, n, scored); one more than --max_progress_ratio times
    its class fails the run, and the worst ratio and its request are reported.
 5. Memory: the server's resident memory (/proc/<pid>/status VmRSS) once warmup_fraction of the
-   requests are done, every 5 % after, and at the end; growth past --max_rss_growth fails.
+   requests are done, every twentieth of them after, and at the end; growth past --max_rss_growth fails.
 6. At the end (the server must settle within --settle_s): no request running or waiting, every KV
    block free or cached (from /metrics: num_free_blocks + num_cached_blocks = num_kv_blocks - 1,
    usage 0), no 5xx seen by a client or counted by the server, no client stuck past
