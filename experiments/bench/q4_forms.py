@@ -32,10 +32,9 @@ Medians in ms of `--repeats` rounds, the forms of one row count timed in turn.
 
 from __future__ import annotations
 
-import statistics
-import time
-
 from absl import app, flags
+
+from experiments.lab.timing import median_ms
 
 _ROWS = flags.DEFINE_list("rows", ["1", "8", "32"], "Rows per product.")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed rounds per row count.")
@@ -167,7 +166,6 @@ def build(num_layers: int, forms):
 
 def main(argv):
     del argv
-    import jax
     import jax.numpy as jnp
     import numpy as np
 
@@ -177,16 +175,8 @@ def main(argv):
     print("|" + " --- |" * (len(forms) + 1))
     for rows in map(int, _ROWS.value):
         x = jnp.asarray(np.random.default_rng(1).standard_normal((rows, 576), np.float32))
-        for fn, w in fns.values():
-            jax.block_until_ready(fn(w, x))  # compile
-        times = {form: [] for form in forms}
-        for _ in range(_REPEATS.value):
-            for form in forms:
-                fn, w = fns[form]
-                t0 = time.perf_counter()
-                jax.block_until_ready(fn(w, x))
-                times[form].append((time.perf_counter() - t0) * 1e3)
-        print(f"| {rows} | {' | '.join(f'{statistics.median(times[f]):.1f}' for f in forms)} |", flush=True)
+        med = median_ms(fns, x, forms, _REPEATS.value)
+        print(f"| {rows} | {' | '.join(f'{med[f]:.1f}' for f in forms)} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -15,10 +15,9 @@ smallest row count from which the int8 x int8 form beats weight-only.
 
 from __future__ import annotations
 
-import statistics
-import time
-
 from absl import app, flags
+
+from experiments.lab.timing import median_ms
 
 _ROWS = flags.DEFINE_list("rows", ["1", "2", "4", "8", "16", "32", "64"], "Rows per product.")
 _REPEATS = flags.DEFINE_integer("repeats", 15, "Timed rounds per row count.")
@@ -62,7 +61,6 @@ def build(num_layers: int):
 
 def main(argv):
     del argv
-    import jax
     import jax.numpy as jnp
     import numpy as np
 
@@ -71,16 +69,7 @@ def main(argv):
     print("|" + " --- |" * (len(FORMS) + 3))
     for rows in map(int, _ROWS.value):
         x = jnp.asarray(np.random.default_rng(1).standard_normal((rows, 576), np.float32))
-        for fn, w in fns.values():
-            jax.block_until_ready(fn(w, x))  # compile
-        times = {form: [] for form in FORMS}
-        for _ in range(_REPEATS.value):
-            for form in FORMS:
-                fn, w = fns[form]
-                t0 = time.perf_counter()
-                jax.block_until_ready(fn(w, x))
-                times[form].append((time.perf_counter() - t0) * 1e3)
-        med = {form: statistics.median(t) for form, t in times.items()}
+        med = median_ms(fns, x, FORMS, _REPEATS.value)
         print(f"| {rows} | {' | '.join(f'{med[f]:.2f}' for f in FORMS)} | "
               f"{med['float32'] / med['int8 weight-only']:.2f} | {med['float32'] / med['int8 x int8']:.2f} |",
               flush=True)
