@@ -19,7 +19,10 @@ module has the same name), and each op is classified two ways from that HLO:
           "attention" (pallas_kernels/ xla paths), "kv write" (pallas_kernels/kv_write.py,
           kv_quant.py, tpu_kv_write.py), "weights" (models/quant.py, models/layers.py products),
           "model" (other models/ code), "sampler" (engine/step/), or "other".
-The numbers are a trace's (the profiler costs a few percent); shares are what to read.
+The numbers are a trace's (the profiler costs a few percent). On the CPU, ops of one step can run
+at once on the thread pool and some time falls between ops, so the summed op time was 0.7-1.0x
+the step's device time in the runs of BUILD_NOTES.md ("CPU attention forms"): read the shares.
+The trace files stay in `trace_dir` (a temporary directory unless given).
 """
 
 from __future__ import annotations
