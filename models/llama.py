@@ -135,8 +135,10 @@ class _Model:
 
         return qkv, out, mlp
 
-    def loader_ops(self, layer, index=None):
-        """The same over the loaders' layout (separate in-major projections)."""
+    def loader_ops(self, layer, index=None, tap=None):
+        """The same over the loaders' layout (separate in-major projections). tap(name, x) -> x,
+        if given, sees the dense MLP's down-projection input ("down"; models/smoothing.py's
+        calibration records its maxima)."""
         if "qkv_proj" in layer:
             return self.served_ops(lambda name, *a: served_product(name, *a, w=layer[name]), layer, index)
         if self.lora is not None:
@@ -158,8 +160,8 @@ class _Model:
                                 grouped("experts_down"), layer, index)
             gate = proj("te,ef->tf", h, layer["w_gate"])
             up = proj("te,ef->tf", h, layer["w_up"])
-            return proj("tf,fe->te", gated(jnp.concatenate([gate, up], -1), config.hidden_act),
-                        layer["w_down"])
+            g = gated(jnp.concatenate([gate, up], -1), config.hidden_act)
+            return proj("tf,fe->te", g if tap is None else tap("down", g), layer["w_down"])
 
         return qkv, lambda attn: proj("thd,hde->te", attn, layer["wo"]), mlp
 

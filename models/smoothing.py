@@ -112,7 +112,7 @@ def activation_maxima(params: dict, config: ModelConfig, token_ids) -> dict:
     per layer the max |x| per input channel of: "qkv" [e], "o" [h * d], "gate_up" [e],
     "down" [f] (absent for experts), and "final" [e] (the final norm's output). numpy float32.
     One layer is compiled (per layer kind) and run layer after layer."""
-    from models.layers import dense_causal_attention, embed_tokens, gated
+    from models.layers import dense_causal_attention, embed_tokens
     from models.llama import _Model
 
     layers = params["layers"]
@@ -124,30 +124,19 @@ def activation_maxima(params: dict, config: ModelConfig, token_ids) -> dict:
 
     def run_layer(x, layer, kind):
         stats = {}
-        qkv, out, mlp = model.loader_ops(layer)
 
         def amax(name, v):
             stats[name] = jnp.max(jnp.abs(v.astype(jnp.float32)).reshape(v.shape[0], -1), axis=0)
             return v
 
-        def mlp_recorded(h):
-            amax("gate_up", h)
-            if config.num_experts:
-                return mlp(h)
-            gate = jnp.einsum("te,ef->tf", h.astype(layer["w_gate"].dtype), layer["w_gate"],
-                              preferred_element_type=jnp.float32)
-            up = jnp.einsum("te,ef->tf", h.astype(layer["w_up"].dtype), layer["w_up"],
-                            preferred_element_type=jnp.float32)
-            g = amax("down", gated(jnp.concatenate([gate, up], -1), config.hidden_act))
-            return jnp.einsum("tf,fe->te", g.astype(layer["w_down"].dtype), layer["w_down"],
-                              preferred_element_type=jnp.float32)
+        qkv, out, mlp = model.loader_ops(layer, tap=amax)  # the dense MLP taps "down"
 
         def attend(q, k, v, cache, kind):
             attn = dense_causal_attention(q, k, v, config.sm_scale, config.window_of(kind),
                                           config.attn_logit_softcap)
             return attn, cache
 
-        ops = (lambda h: qkv(amax("qkv", h)), lambda a: out(amax("o", a)), mlp_recorded)
+        ops = (lambda h: qkv(amax("qkv", h)), lambda a: out(amax("o", a)), lambda h: mlp(amax("gate_up", h)))
         x, _ = model.layer(x, (), layer, ops, positions, kind, attend)
         return x, stats
 
