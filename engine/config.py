@@ -185,9 +185,8 @@ class EngineConfig:
         if rows is not None and self.quantization in (None, "gguf"):
             raise ValueError("EngineConfig.quantization_activation_rows needs quantization (int8 or fp8); "
                              f"got {self.quantization!r} (gguf blocks are weight-only)")
-        mesh = self.tensor_parallel_size * self.data_parallel_size * self.num_processes > 1
-        self._check_smoothing(mesh)
-        if self.quantization == "gguf" and mesh:
+        self._check_smoothing()
+        if self.quantization == "gguf" and self.on_mesh:
             raise ValueError("EngineConfig.quantization='gguf' is not implemented on a mesh (tensor_parallel_size="
                              f"{self.tensor_parallel_size}, data_parallel_size={self.data_parallel_size}, "
                              f"num_processes={self.num_processes}): its block weights are placed on one device; "
@@ -199,7 +198,7 @@ class EngineConfig:
             raise ValueError("EngineConfig.quantization='gguf' is not implemented with disaggregation: its "
                              "block weights are placed on one device, each pool has its own mesh; int8 and fp8 are")
 
-    def _check_smoothing(self, mesh: bool) -> None:
+    def _check_smoothing(self) -> None:
         alpha = smoothing_alpha(self.quantization_smoothing)  # a bad value: ValueError by name
         if alpha is None:
             return
@@ -207,7 +206,7 @@ class EngineConfig:
         if self.quantization in (None, "gguf"):
             raise ValueError(f"{name} needs quantization int8 or fp8 (it prepares weights for quantizing); "
                              f"got quantization={self.quantization!r}")
-        if mesh:
+        if self.on_mesh:
             raise ValueError(f"{name} is not implemented on a mesh (tensor_parallel_size="
                              f"{self.tensor_parallel_size}, data_parallel_size={self.data_parallel_size}, "
                              f"num_processes={self.num_processes}): its calibration runs the float model on "
@@ -215,6 +214,11 @@ class EngineConfig:
         if self.enable_lora:
             raise ValueError(f"{name} is not implemented with enable_lora (an adapter's A matrix reads "
                              "the unsmoothed input of its product); pass quantization_smoothing='off'")
+
+    @property
+    def on_mesh(self) -> bool:
+        """More than one device: tensor or data parallelism, or several processes."""
+        return self.tensor_parallel_size * self.data_parallel_size * self.num_processes > 1
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
@@ -316,9 +320,8 @@ def resolve_smoothing(config: EngineConfig, platform: str) -> float | None:
     adapters keep unsmoothed weights by default; weight-only alone gains nothing from it)."""
     if config.quantization_smoothing is not None:
         return smoothing_alpha(config.quantization_smoothing)
-    mesh = config.tensor_parallel_size * config.data_parallel_size * config.num_processes > 1
     rows = resolve_activation_rows(config, platform)
-    if mesh or config.enable_lora or rows is None or rows > config.max_num_batched_tokens:
+    if config.on_mesh or config.enable_lora or rows is None or rows > config.max_num_batched_tokens:
         return None
     return QUANT_SMOOTHING.get((platform, config.quantization))
 
