@@ -11,6 +11,7 @@ KNOBS = dict(model="random:tiny-gqa3", max_num_seqs=8, max_num_batched_tokens=64
              num_kv_blocks=64, token_buckets=(16, 64), seq_buckets=(8,), compilation_cache_dir=None)
 SYSTEM = "You are a helpful assistant for the disaggregation test. "  # 56 bytes: 3 full blocks
 PROMPTS = [SYSTEM + f"Question {i}: " + "why? " * i for i in range(10)]
+PHASES = ("prefill", "transfer", "decode")  # a request's phases in order (PDEngine.pool_of)
 
 
 def same_outputs(a, b, logprobs=False):
@@ -26,10 +27,11 @@ def same_outputs(a, b, logprobs=False):
                 assert all(abs(ex[t] - ey[t]) < 1e-4 for t in ex)
 
 
-def churn(engine, num_requests: int, seed: int) -> None:
+def churn(engine, num_requests: int, seed: int, every_phase: bool = True) -> None:
     """One request added per step (random sampling, n, lengths); after every step each live
-    request is aborted with probability 0.08, in whatever phase it is. All of them end, and the
-    aborts hit every phase."""
+    request is aborted with probability 0.08, in whatever phase it is. All of them end, and (with
+    `every_phase`: an engine whose pools all step in this process, so the phases each request
+    passes through do not depend on timing) the aborts hit every phase."""
     import random
 
     rng = random.Random(seed)
@@ -53,4 +55,33 @@ def churn(engine, num_requests: int, seed: int) -> None:
                 live.discard(out.request_id)
                 done += 1
     assert not live and done + sum(stages.values()) == num_requests
-    assert stages["prefill"] and stages["transfer"] and stages["decode"], stages
+    if every_phase:
+        assert stages["prefill"] and stages["transfer"] and stages["decode"], stages
+
+
+def abort_in_every_phase(engine, timeout_s: float = 120.0) -> None:
+    """For an engine whose decode pool steps in another process (so which phase a request is in
+    after a step depends on timing): a request is driven to each phase in turn and aborted there;
+    one that skips past the phase between two calls is aborted and another tried. All end."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    for phase in PHASES:
+        for attempt in range(50):
+            rid = f"{phase}{attempt}"
+            engine.add_request(rid, PROMPTS[attempt % 10], SamplingParams(temperature=0.0, max_tokens=100,
+                                                                          ignore_eos=True))
+            while engine.pool_of(rid) not in (phase, None) and time.monotonic() < deadline:
+                if PHASES.index(engine.pool_of(rid)) > PHASES.index(phase):
+                    break  # it went past the phase between two calls
+                engine.step()
+            reached = engine.pool_of(rid) == phase
+            assert engine.pool_of(rid) is not None and engine.abort_request(rid), (rid, phase)
+            if reached:
+                break
+            assert time.monotonic() < deadline, f"no request seen in phase {phase!r} in {timeout_s} s"
+        else:
+            raise AssertionError(f"50 requests went past phase {phase!r} between two calls")
+    while engine.has_unfinished_requests():
+        engine.step()
+

@@ -7,7 +7,7 @@ with test_disaggregation.py."""
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from tests.engine.conftest import run_to_completion
-from tests.engine.disaggregation_shared import KNOBS, PROMPTS, churn, same_outputs
+from tests.engine.disaggregation_shared import KNOBS, PROMPTS, abort_in_every_phase, churn, same_outputs
 
 # The load on the decode process when it is killed (test below): prompts no pool has seen, so each
 # moves blocks the decode process must pull. "d": decoding there (long outputs, so they still are),
@@ -111,9 +111,11 @@ def test_a_decode_pool_in_another_process_then_killed_under_load(pd, tmp_path):
         assert outs[-1].finished and outs[-1].outputs[0].token_ids == want_runs.outputs[0].token_ids
         # 24 tokens in a handful of calls (one per token if the leader drove each step).
         assert len(outs) <= 6, [len(o.outputs[0].token_ids) for o in outs]
-        # 100 requests with random aborts in every phase leave every block of both processes
-        # free or cached (none pinned or held), the decode process's counted there.
-        churn(remote, 100, seed=1)
+        # 100 requests with random aborts, then one aborted in each phase in turn, leave every
+        # block of both processes free or cached (none pinned or held), the decode process's
+        # counted there. (Which phases the random aborts hit depends on the two processes' speeds.)
+        churn(remote, 100, seed=1, every_phase=False)
+        abort_in_every_phase(remote)
         assert remote.prefill.scheduler.kv_cache_manager.pool.num_used_blocks == 0
         decode_stats = remote.decode._call("stats")  # fresh, not the last step's snapshot
         assert decode_stats.num_free_blocks + decode_stats.num_cached_blocks == KNOBS["num_kv_blocks"] - 1
