@@ -12,6 +12,8 @@ heads, g query heads per KV head, d head dim, f MLP width, v vocabulary, n a fus
 - Dense causal attention of one sequence, with an optional window and soft cap: the oracle
   the paged kernels (pallas_kernels/) are tested against.
 - The embedding lookup, gathered as bits.
+- `argmax` over the last axis (greedy tokens): jnp.argmax's result written as plain
+  reductions, which XLA:CPU runs 3-5x faster than its variadic (value, index) reduce.
 """
 
 from __future__ import annotations
@@ -77,6 +79,19 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -
     if offset:
         scale = scale + offset
     return (x32 * scale).astype(x.dtype)
+
+
+def argmax(x: jax.Array) -> jax.Array:
+    """jnp.argmax(x, axis=-1) as int32: the first index of the maximum, or of the first NaN if
+    any, written as plain reductions (the max, then the least index holding it and the least NaN
+    index; XLA:CPU's max may skip NaN, so NaN is looked for on its own). On XLA:CPU [8, 49152]
+    float32 logits took 0.19-0.34 ms against 0.87-0.91 ms, [32, 49152] 0.74-1.1 against 3.5 ms
+    (BUILD_NOTES.md "Greedy argmax")."""
+    size = x.shape[-1]
+    index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    first_max = jnp.min(jnp.where(x == jnp.max(x, axis=-1, keepdims=True), index, size), axis=-1)
+    first_nan = jnp.min(jnp.where(jnp.isnan(x), index, size), axis=-1)
+    return jnp.where(first_nan < size, first_nan, first_max)
 
 
 def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:

@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.layers import argmax
 from models.llama import apply_rope, embed_tokens, rms_norm, rope_inv_freq
 
 MARKER = "draft_head.json"
@@ -176,7 +177,7 @@ def draft_chain(params: dict, shared: dict, cfg: DraftHeadConfig, feature: jax.A
         m = rms_norm(x, layer["mlp_norm"], eps)
         x = x + (jax.nn.silu(m @ layer["w_gate"]) * (m @ layer["w_up"])) @ layer["w_down"]
         logits = rms_norm(x, shared["final_norm"], eps).astype(jnp.float32) @ shared["lm_draft"]
-        draft = shared["vocab_map"][jnp.argmax(logits, axis=-1)]
+        draft = shared["vocab_map"][argmax(logits)]
         all_logits.append(logits)
         drafts.append(draft)
         features.append(x)

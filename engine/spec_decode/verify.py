@@ -25,6 +25,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from models.layers import argmax
+
 
 def _shift(x, m: int, fill):
     """x[j - m] at j (fill where j < m), for any m (also m >= len(x))."""
@@ -82,7 +84,7 @@ def rejection_sample(target_probs, draft_probs, draft_ids, uniforms, gumbel):
     # p == q leaves no residual mass; never reached then (u * q < p always), p is a safe stand-in.
     residual = jnp.where(residual.sum(-1, keepdims=True) > 0, residual, target_probs[:, :num_drafts])
     resample_probs = jnp.concatenate([residual, target_probs[:, num_drafts:]], axis=1)
-    resampled = jnp.argmax(jnp.log(resample_probs) + gumbel, axis=-1).astype(jnp.int32)
+    resampled = argmax(jnp.log(resample_probs) + gumbel)
     padded = jnp.concatenate([draft_ids, jnp.zeros_like(draft_ids[:, :1])], axis=1)
     positions = jnp.arange(num_drafts + 1)[None, :]
     tokens = jnp.where(positions < num_accepted[:, None], padded, resampled)

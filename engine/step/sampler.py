@@ -35,6 +35,7 @@ import jax.numpy as jnp
 
 from engine.spec_decode.verify import draft_rows, earlier_draft_counts, kept_rows
 from engine.step.request_table import SAMPLING_FIELDS, TableState
+from models.layers import argmax
 
 
 @dataclasses.dataclass
@@ -121,13 +122,13 @@ def sample(logits, inputs, table: TableState, *, num_logprobs: int, num_speculat
     penalized = jax.lax.cond(inputs.flags[2] > 0,
                              lambda x: _apply_penalties(x, rows, table, gather_slots, draft_counts),
                              lambda x: x, logits)
-    greedy_ids = jnp.argmax(penalized, axis=-1)
+    greedy_ids = argmax(penalized)
 
     def random_ids(x):
         temp = jnp.where(rows.temperature > 0, rows.temperature, 1.0)[:, None]
         scaled = x / temp
         scaled = jax.lax.cond(inputs.flags[1] > 0, lambda y: _apply_filters(y, rows), lambda y: y, scaled)
-        return jnp.argmax(scaled + _gumbel(rows.seed, inputs.logits_steps, vocab), axis=-1)
+        return argmax(scaled + _gumbel(rows.seed, inputs.logits_steps, vocab))
 
     sampled = jax.lax.cond(inputs.flags[0] > 0, random_ids, lambda x: greedy_ids, penalized)
     token_ids = jnp.where(rows.temperature > 0, sampled, greedy_ids).astype(jnp.int32)
