@@ -5,12 +5,15 @@ weights are out-major [o, i] (models/served_layout.py), stacked [n, o, i] on a s
 layers, [E, o, i] for experts.
 
 1. What is quantized (`quantize_params`, on the served layout, so every projection is already
-   one out-major matrix): qkv_proj, o_proj, gate_up_proj, down_proj, output_proj (an untied
-   lm_head), the experts' experts_gate_up / experts_down, and the embedding table. The embedding
-   is quantized too (per vocabulary row): it is the lm_head of a tied model and 21 % of the
-   default model's weights, so leaving it in float32 would leave int8 at 0.41x float32's bytes
-   instead of 0.25x. Not quantized: norms, biases, the MoE router (E x e, small, and routing is
-   a discrete choice that rounding can flip), anything 1-D.
+   one out-major matrix): qkv_proj, o_proj, gate_up_proj, down_proj and the experts'
+   experts_gate_up / experts_down; with int8 also the tables (QUANTIZED_TABLES), the embedding
+   (per vocabulary row) and output_proj (an untied lm_head). int8 quantizes the embedding because
+   it is the lm_head of a tied model and 21 % of the default model's weights: left in float32,
+   int8 would be 0.41x float32's bytes instead of 0.25x. fp8 leaves both tables in the model's
+   dtype, as vLLM's fp8 does: e4m3's 3 mantissa bits in the tied lm_head cost the default model 2
+   of 65 clear greedy positions and 2.5 % perplexity, the layers alone 0 and 0.8 % (BUILD_NOTES.md
+   "Quantization"). Not quantized: norms, biases, the MoE router (E x e, small, and routing is a
+   discrete choice that rounding can flip), anything 1-D.
 2. Scheme: symmetric, one float32 scale per output channel (per row of [o, i]; per (layer, row)
    stacked; per (expert, row) for experts): int8 s = max|w_row| / 127, q = round(w / s) in
    [-127, 127]; fp8 s = max|w_row| / 448 (e4m3's largest finite), q = float8_e4m3fn(w / s).
@@ -89,7 +92,8 @@ _STORED = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 # GROUPED_PRODUCTS, plus the tables); the router stays float.
 QUANTIZED_LAYER_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "experts_gate_up",
                            "experts_down")
-QUANTIZED_TOP_WEIGHTS = ("embed", "output_proj")
+# The tables each method quantizes (module docstring, 1.): fp8 keeps them in the model's dtype.
+QUANTIZED_TABLES = {"int8": ("embed", "output_proj"), "fp8": ()}
 # Block weights on XLA:CPU (module docstring, 5.): products of 2-7 rows are padded to this many,
 # where the split form's fusion is 2x faster than at 2-6 rows; a weight of more output rows than
 # _SPLIT_MAX_ROWS (a vocabulary table) runs in slices of _SPLIT_CHUNK rows, 2x faster than whole.
@@ -281,7 +285,8 @@ def quantize_params(params: dict, method: str | None, *, activation_rows: int | 
     """The served layout (models/served_layout.py; layers a list or a stacked dict) with its
     weight matrices quantized (module docstring, 1.). method None returns params unchanged.
     params["embed_smoothing"] (float32 [e], models/smoothing.py: a tied lm_head's factors s) is
-    consumed: the embedding is quantized as embed * s per column with input_scale 1 / s."""
+    consumed: the embedding is quantized as embed * s per column with input_scale 1 / s, or left
+    as it is where the method keeps the tables in float (fp8; the factors then cancel)."""
     embed_smoothing = params.get("embed_smoothing")
     if embed_smoothing is not None:
         params = {k: v for k, v in params.items() if k != "embed_smoothing"}
@@ -304,10 +309,10 @@ def quantize_params(params: dict, method: str | None, *, activation_rows: int | 
                              f"layer weights {sorted(d)}")
         return {k: quantize(w) if k in QUANTIZED_LAYER_WEIGHTS else w for k, w in d.items()}
 
-    layers = params["layers"]
-    out = {k: quantize(w) if k in QUANTIZED_TOP_WEIGHTS else w for k, w in params.items() if k != "layers"}
+    layers, tables = params["layers"], QUANTIZED_TABLES[method]
+    out = {k: quantize(w) if k in tables else w for k, w in params.items() if k != "layers"}
     out["layers"] = [layer(d) for d in layers] if isinstance(layers, list) else layer(layers)
-    if embed_smoothing is not None and not isinstance(params["embed"], QuantizedWeight):
+    if embed_smoothing is not None and "embed" in tables and not isinstance(params["embed"], QuantizedWeight):
         s = jnp.asarray(embed_smoothing, jnp.float32)
         table = (params["embed"].astype(jnp.float32) * s).astype(params["embed"].dtype)
         out["embed"] = dataclasses.replace(quantize(table), input_scale=1.0 / s)

@@ -40,7 +40,7 @@ from models.config import ModelConfig
 from models.quant import (
     QUANTIZATIONS,
     QUANTIZED_LAYER_WEIGHTS,
-    QUANTIZED_TOP_WEIGHTS,
+    QUANTIZED_TABLES,
     quantize_weight,
     quantize_with_amax,
 )
@@ -87,7 +87,7 @@ def quantize_sharded(params: dict, layout: TPLayout, method: str | None, *,
             programs[key] = jax.jit(fn, out_shardings=out)
         return programs[key](w)
 
-    for name in QUANTIZED_TOP_WEIGHTS:
+    for name in QUANTIZED_TABLES[method]:
         if name in params:
             params[name] = quantize(name, params[name], specs and specs[name])
     layers = params["layers"]

@@ -5,9 +5,10 @@ the weight quantization; its bytes per KV token are models/kv_bytes.py's.
 - Weights, `quantization` "int8" | "fp8" (models/quant.py): every quantized matrix is 1 byte per
   value plus one float32 scale per output row; the quantized matrices are the served layout's
   qkv_proj [d (H + 2 K), e], o_proj [e, d H], gate_up_proj [2 f, e], down_proj [e, f] (for MoE
-  the experts' [E 2 f_e, e] and [E e, f_e], a scale per expert and row) per layer, and the
-  embedding [V, e] (per vocabulary row) and an untied output_proj [V, e]. The rest (norms, the
-  MoE router) stays in the model dtype.
+  the experts' [E 2 f_e, e] and [E e, f_e], a scale per expert and row) per layer, and with int8
+  the tables (models/quant.py QUANTIZED_TABLES): the embedding [V, e] (per vocabulary row) and an
+  untied output_proj [V, e]; fp8 keeps the tables in the model dtype. The rest (norms, the MoE
+  router) stays in the model dtype.
 - KV per token (models/kv_bytes.py kv_bytes_per_token, the rule that sizes the engine's pool,
   engine/step/kv_cache.py): 2 x layers x KV heads x head_dim x the dtype's size; an 8-bit cache
   ("int8", "fp8_e4m3", pallas_kernels/kv_quant.py) stores head_dim bytes plus one bfloat16 scale
@@ -19,6 +20,7 @@ from __future__ import annotations
 from models.config import ModelConfig
 
 QUANTIZATIONS = (None, "int8", "fp8")
+TABLES_QUANTIZED = {"int8": True, "fp8": False}  # models/quant.py QUANTIZED_TABLES (no jax here)
 WEIGHT_SCALE_BYTES = 4  # float32, one per output row of a quantized matrix (models/quant.py)
 
 
@@ -53,7 +55,7 @@ def weight_bytes(config: ModelConfig, itemsize: int, quantization: str | None = 
         return config.num_params * itemsize
     layer, tables = quantized_matrices(config)
     layer_params, layer_bytes = _quantized_bytes(layer)
-    table_params, table_bytes = _quantized_bytes(tables)
+    table_params, table_bytes = _quantized_bytes(tables) if TABLES_QUANTIZED[quantization] else (0, 0)
     rest = config.num_params - config.num_layers * layer_params - table_params
     return config.num_layers * layer_bytes + table_bytes + rest * itemsize
 
@@ -65,5 +67,7 @@ def untied_embedding_bytes(config: ModelConfig, itemsize: int, quantization: str
     if config.tie_word_embeddings:
         return 0
     rows, cols = config.vocab_size, config.hidden_size
-    return rows * cols * itemsize if quantization is None else _quantized_bytes([(rows, cols)])[1]
+    if quantization is None or not TABLES_QUANTIZED[quantization]:
+        return rows * cols * itemsize
+    return _quantized_bytes([(rows, cols)])[1]
 

@@ -183,7 +183,8 @@ def test_quantized_weight_bytes_are_the_served_weights_bytes(model, quantization
 
 
 def test_quantized_weights_and_an_8bit_cache_on_h200():
-    """Llama-3-8B: int8 weights are 0.50x bfloat16's bytes plus their scales; an 8-bit cache holds
+    """Llama-3-8B: int8 weights are 0.50x bfloat16's bytes plus their scales (fp8 the same but its
+    tables in bfloat16); an 8-bit cache holds
     head_dim + 2 bytes per token and KV head (0.508x bfloat16's at head_dim 128), so more blocks
     fit, and decode at batch 1 streams half the weight bytes."""
     base = capacity.capacity("random:llama3-8b", "h200", dtype="bfloat16")
@@ -198,7 +199,9 @@ def test_quantized_weights_and_an_8bit_cache_on_h200():
     assert quant.point(1).compute_s == base.point(1).compute_s
     fp8 = capacity.capacity("random:llama3-8b", "h200", dtype="bfloat16", quantization="fp8",
                             kv_cache_dtype="fp8_e4m3")
-    assert (fp8.weight_bytes, fp8.kv_bytes_per_token) == (quant.weight_bytes, quant.kv_bytes_per_token)
+    # fp8 keeps the two tables (untied) in bfloat16: 2 bytes a value against int8's 1 + a scale per row.
+    assert fp8.weight_bytes - quant.weight_bytes == 2 * 128256 * (4096 - 4)
+    assert fp8.kv_bytes_per_token == quant.kv_bytes_per_token
     assert "weights int8, KV cache int8" in capacity.format_report(quant)
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         capacity.capacity("random:llama3-8b", "h200", kv_cache_dtype="fp8_e5m2")
