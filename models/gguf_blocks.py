@@ -1,25 +1,36 @@
 """GGUF block types served in their own quantization (EngineConfig.quantization="gguf"): Q8_0,
-Q4_0 and Q4_1 read from the file's raw bytes into models/quant.QuantizedWeight with `block=32`
-(int8 codes [rows, cols], float32 block scales and offsets [rows, cols / 32]: Q4_1's block
-minimums, -0.0 for the others), with no float copy of the weights made; and the served layout (q/k/v and gate/up
-fused along the output rows, models/served_layout.py) built from them.
+Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants Q4_K and Q5_K read from the file's raw bytes into
+models/quant.QuantizedWeight with `block=32` (int8 codes [rows, cols], float32 block scales and
+offsets [rows, cols / 32]: the block minimums of Q4_1 / Q5_1 / Q4_K / Q5_K, -0.0 for the others),
+with no float copy of the weights made; and the served layout (q/k/v and gate/up fused along the
+output rows, models/served_layout.py) built from them.
 
 Block layouts (gguf.quants; the decode here is bit-identical to its numpy one, tests/models/
 test_gguf_q4.py):
-  Q8_0 (34 bytes)  float16 d, 32 x int8 q               w = d * q
-  Q4_0 (18 bytes)  float16 d, 16 bytes of nibbles        w = d * (q - 8), q in 0..15
-  Q4_1 (20 bytes)  float16 d, float16 m, 16 bytes        w = d * q + m
-The nibbles: byte j of a block holds value j in its low 4 bits and value j + 16 in its high 4.
-d * q is exact in float32 (an 11-bit float16 significand times a 4- or 8-bit integer), so Q4_1's
-one rounding is the + m, wherever it is computed.
+  Q8_0 (34 bytes / 32)   float16 d, 32 x int8 q                        w = d * q
+  Q4_0 (18 bytes / 32)   float16 d, 16 bytes of nibbles                w = d * (q - 8), q in 0..15
+  Q4_1 (20 bytes / 32)   float16 d, float16 m, 16 bytes of nibbles     w = d * q + m
+  Q5_0 (22 bytes / 32)   float16 d, 4 bytes qh, 16 bytes of nibbles    w = d * (q - 16), q in 0..31
+  Q5_1 (24 bytes / 32)   float16 d, float16 m, qh, nibbles             w = d * q + m
+  Q4_K (144 bytes / 256) float16 d, float16 dmin, 12 bytes of 6-bit sub-block scales sc and
+                         minimums mn (8 of each), 128 bytes of nibbles: 8 blocks of 32,
+                         w = (d * sc) * q - dmin * mn, q in 0..15
+  Q5_K (176 bytes / 256) as Q4_K, plus 32 bytes of fifth bits: q in 0..31
+The nibbles of a 32-value block: byte j holds value j in its low 4 bits and value j + 16 in its
+high 4 (Q4_K / Q5_K: each 32 bytes hold two blocks, the low nibbles the first); the fifth bit of
+value j is bit j of qh (Q5_K: bit b of byte j of the 32, for block b of the super-block). d * q is
+exact in float32 (an 11-bit float16 significand times an integer of at most 8 bits; the K-quants'
+d * sc of at most 17 bits times 5), so the one rounding is the + m (- dmin * mn), wherever it is
+computed; a K-quant block's scale is d * sc and its offset -(dmin * mn), exact.
 
-Stored: one int8 per value (Q4_0 as q - 8 in -8..7, the same form as Q8_0; Q4_1 as q in 0..15)
-plus float32 scales and offsets (Q4_1's minimums; -0.0 for Q8_0 and Q4_0, which the CPU's fast
-product form needs, models/quant.py 5.): 1.25 bytes per weight. Packed nibbles would be
+Stored: one int8 per value (Q4_0 as q - 8 in -8..7 and Q5_0 as q - 16, the same form as Q8_0;
+the others as q) plus float32 scales and offsets (-0.0 for Q8_0, Q4_0 and Q5_0, which the CPU's
+fast product form needs, models/quant.py 5.): 1.25 bytes per weight. Packed nibbles would be
 0.5 + scales, but XLA:CPU does not fuse the unpacking into the product and runs
 it several times slower (BUILD_NOTES.md "Quantization", experiments/bench/q4_forms.py).
-Other types (F32/F16/BF16, Q5_0/Q5_1, the K-quants) have no block form here and are dequantized
-to the model's dtype as before (`load_gguf` logs the quantized ones, once per file).
+Other types (F32/F16/BF16, Q2_K, Q3_K, Q6_K (16-value blocks), the IQ types) have no block form
+here and are dequantized to the model's dtype as before (`load_gguf` logs the quantized ones,
+once per file).
 """
 
 from __future__ import annotations
@@ -30,36 +41,73 @@ from models.quant import QuantizedWeight
 from models.weights import unpermute_rows
 
 BLOCK = 32
-# type name -> bytes per 32-value block
-NATIVE_TYPES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+# type name -> (bytes, values) of one stored block (a K-quant super-block holds 8 blocks of 32)
+NATIVE_TYPES = {"Q8_0": (34, 32), "Q4_0": (18, 32), "Q4_1": (20, 32), "Q5_0": (22, 32), "Q5_1": (24, 32),
+                "Q4_K": (144, 256), "Q5_K": (176, 256)}
 
 
 def block_weight(path: str, tensor, dtype: str) -> QuantizedWeight:
-    """A Q8_0 / Q4_0 / Q4_1 tensor [rows, cols] as int8 codes and float32 block scales (numpy)."""
+    """A tensor [rows, cols] of a NATIVE_TYPES type as int8 codes and float32 block scales and
+    offsets (numpy)."""
     kind = tensor.tensor_type.name
     rows, cols = (int(n) for n in reversed(tensor.shape))
     raw = np.asarray(tensor.data).reshape(-1)
-    size = NATIVE_TYPES[kind]
-    if cols % BLOCK or raw.size * raw.itemsize != rows * cols // BLOCK * size:
+    size, values = NATIVE_TYPES[kind]
+    if cols % values or raw.size * raw.itemsize != rows * cols // values * size:
         raise ValueError(f"{path}: {kind} tensor {tensor.name} holds {raw.size * raw.itemsize} bytes, expected "
-                         f"{rows * cols // BLOCK * size} for [{rows}, {cols}]")
-    blocks = raw.view(np.uint8).reshape(rows, cols // BLOCK, size)
+                         f"{rows * cols // values * size} for [{rows}, {cols}] ({values}-value blocks)")
+    blocks = raw.view(np.uint8).reshape(rows, cols // values, size)
 
     def half(at):  # the float16 at byte `at` of every block, as float32
         return np.ascontiguousarray(blocks[..., at:at + 2]).view(np.float16)[..., 0].astype(np.float32)
 
+    def codes(low_high, fifth=None):  # nibble bytes [..., 16] (and fifth bits [..., 32]) -> values
+        q = np.concatenate([low_high & 15, low_high >> 4], axis=-1)
+        return q if fifth is None else q | (fifth << 4)
+
+    if kind in ("Q4_K", "Q5_K"):
+        return _k_quant(blocks, kind, rows, cols, dtype, half(0), half(2))
     d = half(0)
-    # Q8_0 and Q4_0 get offsets of -0.0 (x + -0.0 is x bit for bit, negative zeros included):
-    # the product's fast form on XLA:CPU needs an offset, and a constant one miscompiles there
-    # (models/quant.py, 5.).
+    # Q8_0, Q4_0 and Q5_0 get offsets of -0.0 (x + -0.0 is x bit for bit, negative zeros
+    # included): the product's fast form on XLA:CPU needs an offset, and a constant one
+    # miscompiles there (models/quant.py, 5.).
+    zero = np.full_like(d, -0.0)
     if kind == "Q8_0":
         q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(rows, cols)
-        return QuantizedWeight(q, d, dtype_name=dtype, block=BLOCK, offset=np.full_like(d, -0.0))
-    nibbles = blocks[..., 2 if kind == "Q4_0" else 4:]  # [rows, cols / 32, 16]
-    q = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).reshape(rows, cols).astype(np.int8)
-    if kind == "Q4_0":
-        return QuantizedWeight(q - np.int8(8), d, dtype_name=dtype, block=BLOCK, offset=np.full_like(d, -0.0))
+        return QuantizedWeight(q, d, dtype_name=dtype, block=BLOCK, offset=zero)
+    start = {"Q4_0": 2, "Q4_1": 4, "Q5_0": 2, "Q5_1": 4}[kind]
+    fifth = None
+    if kind in ("Q5_0", "Q5_1"):  # a little-endian uint32 of fifth bits, then the nibbles
+        qh = np.ascontiguousarray(blocks[..., start:start + 4]).view("<u4")[..., 0]
+        fifth = ((qh[..., None] >> np.arange(BLOCK, dtype=np.uint32)) & 1).astype(np.uint8)
+        start += 4
+    q = codes(blocks[..., start:], fifth).reshape(rows, cols).astype(np.int8)
+    if kind in ("Q4_0", "Q5_0"):
+        return QuantizedWeight(q - np.int8(8 if kind == "Q4_0" else 16), d, dtype_name=dtype, block=BLOCK,
+                               offset=zero)
     return QuantizedWeight(q, d, dtype_name=dtype, block=BLOCK, offset=half(2))
+
+
+def _k_quant(blocks, kind, rows, cols, dtype, d, dmin) -> QuantizedWeight:
+    """Q4_K / Q5_K super-blocks [rows, n, bytes] -> 8 blocks of 32 each: scale d * sc, offset
+    -(dmin * mn), codes 0..15 / 0..31 (module docstring)."""
+    packed = blocks[..., 4:16]  # 6-bit sc and mn of the 8 blocks
+    a, b, c = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = np.concatenate([a & 0x3F, (c & 0x0F) | ((a >> 2) & 0x30)], axis=-1).astype(np.float32)
+    mn = np.concatenate([b & 0x3F, (c >> 4) | ((b >> 2) & 0x30)], axis=-1).astype(np.float32)
+    scale = (d[..., None] * sc).reshape(rows, cols // BLOCK)
+    offset = (-(dmin[..., None] * mn)).reshape(rows, cols // BLOCK)
+    n = blocks.shape[1]
+    fifth, nibbles = None, blocks[..., 16:]
+    if kind == "Q5_K":  # bit b of byte j: block b's value j
+        qh = blocks[..., 16:48]
+        fifth = ((qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1).reshape(rows, n, 4, 2, 32)
+        nibbles = blocks[..., 48:]
+    pairs = nibbles.reshape(rows, n, 4, 32)  # 32 bytes: two blocks, low nibbles then high
+    q = np.stack([pairs & 15, pairs >> 4], axis=3)  # [rows, n, 4, 2, 32]
+    if fifth is not None:
+        q = q | (fifth << 4)
+    return QuantizedWeight(q.reshape(rows, cols).astype(np.int8), scale, dtype_name=dtype, block=BLOCK, offset=offset)
 
 
 def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:

@@ -9,16 +9,16 @@ norms hold 1 + w, models/gguf_config.py), the router and stacked experts (ffn_ga
 ffn_{gate,up,down}_exps [E, out, in]) instead of the MLP; a tensor left over is an error. Every
 problem raises an error that names the file and what is wrong with it.
 
-`native_blocks=True` (EngineConfig.quantization="gguf") serves the file's Q8_0, Q4_0 and Q4_1
-tensors in their own blocks (models/gguf_blocks.py): the tables (token_embd, an untied output)
+`native_blocks=True` (EngineConfig.quantization="gguf") serves the file's Q8_0, Q4_0, Q4_1,
+Q5_0, Q5_1, Q4_K and Q5_K tensors in their own blocks (models/gguf_blocks.py): the tables (token_embd, an untied output)
 and, for a dense model, the layers' products, read from the raw bytes into
-models/quant.QuantizedWeight (int8 codes, float32 scales per 32 values, Q4_1's minimums) with no
+models/quant.QuantizedWeight (int8 codes, float32 scales per 32 values, the minimums as offsets) with no
 float copy made; the products and lookups dequantize inside. The layers then come in the served
 layout (models/served_layout.py: qkv_proj, o_proj, gate_up_proj, down_proj, bqkv), since a
 fused product of block weights is built from the file's rows; a product is served in blocks
-when all its parts are Q8_0/Q4_0/Q4_1 (mixed among them is fine), else in float as before.
+when all its parts are of those types (mixed among them is fine), else in float as before.
 Left in float (dequantized to `dtype`, logged once per file when a quantized type is among
-them): Q5_0/Q5_1 and the K-quants (no block form here), and a mixture of experts' layers.
+them): Q2_K, Q3_K and Q6_K (no block form here), and a mixture of experts' layers.
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def gguf_config(path: str, reader):
 def load_gguf(path: str | os.PathLike, *, dtype: str = "float32", progress: bool = True,
               host: bool = False, native_blocks: bool = False):
     """Returns (ModelConfig, params, reader); params are on the default device in `dtype`.
-    native_blocks: Q8_0/Q4_0/Q4_1 tensors stay in their blocks, the layers in the served layout
+    native_blocks: tensors of models/gguf_blocks.NATIVE_TYPES stay in their blocks, the layers in the served layout
     (module docstring)."""
     path = os.fspath(path)
     reader = open_gguf(path)
@@ -151,7 +151,7 @@ def load_gguf(path: str | os.PathLike, *, dtype: str = "float32", progress: bool
 
     def native_parts(i: int) -> set[str]:
         """Our names of layer i's tensors read in blocks: the parts of every served product whose
-        parts are all Q8_0 / Q4_0 / Q4_1."""
+        parts are all of NATIVE_TYPES."""
         ours = {v: f"blk.{i}.{k}" for k, v in suffixes.items()}
         return {p for parts in FUSED.values() if all(p in ours and ours[p] in tensors and
                                                      tensors[ours[p]].tensor_type.name in NATIVE_TYPES for p in parts)

@@ -37,7 +37,8 @@ layers, [E, o, i] for experts.
 4. The embedding lookup (`rows`) gathers quantized rows (fp8 as its bits) and their scales.
 5. Block scales (`block` B): int8 q [o, i] with one scale per B input channels of a row,
    scale [o, i / B], and optionally one `offset` per block (w = scale * q + offset): GGUF's
-   Q8_0, Q4_0 (q - 8 held as int8) and Q4_1 (q in 0..15, offset its block minimum m) with B = 32,
+   Q8_0, Q4_0 / Q5_0 (q - 8 / q - 16 held as int8) and Q4_1 / Q5_1 / Q4_K / Q5_K (q in 0..15 or
+   0..31, offset the block's minimum, -dmin * mn for the K-quants' 32-value blocks) with B = 32,
    as the file stores them (models/gguf_blocks.py), no float copy made. Their products are
    weight-only and exact (no activation rounding; `_block_product`), in the form measured
    fastest on XLA:CPU for the static row count t:

@@ -1,4 +1,4 @@
-"""GGUF Q4_0 / Q4_1 / Q8_0 served in their own blocks (models/gguf_blocks.py, models/quant.py 5.;
+"""GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q8_0 served in their own blocks (models/gguf_blocks.py, models/quant.py 5.;
 EngineConfig.quantization="gguf"): the decode is gguf.quants' bit for bit, the products equal the
 dequantized float product, and a written GGUF's layers load and serve in blocks with the float
 load's logits and greedy tokens."""
@@ -35,23 +35,27 @@ def _tensor(data: np.ndarray, qtype, rows: int, cols: int, name: str = "w"):
 def _raw_blocks(qtype, rows: int, cols: int, seed: int) -> np.ndarray:
     """Every byte random except the float16 d (and m): finite, both signs, zero and subnormal."""
     rng = np.random.default_rng(seed)
-    size = NATIVE_TYPES[qtype.name]
-    raw = rng.integers(0, 256, (rows, cols // 32, size), dtype=np.uint8)
-    for at in (0, 2) if qtype == Q.Q4_1 else (0,):
+    size, values = NATIVE_TYPES[qtype.name]
+    raw = rng.integers(0, 256, (rows, cols // values, size), dtype=np.uint8)
+    for at in (0,) if qtype in (Q.Q8_0, Q.Q4_0, Q.Q5_0) else (0, 2):  # d, and m or dmin
         halves = (rng.standard_normal(raw.shape[:2]) * 0.02).astype(np.float16)
         halves.flat[:3] = np.array([0.0, -0.0, 3e-7], np.float16)  # zero, negative zero, subnormal
         raw[..., at:at + 2] = halves[..., None].view(np.uint8)
     return raw.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)
+ZERO_OFFSETS = (Q.Q8_0, Q.Q4_0, Q.Q5_0)
+ALL_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q8_0]
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
 def test_block_decode_is_gguf_bit_for_bit(qtype):
-    rows, cols = 6, 96
+    rows, cols = 6, 512
     raw = _raw_blocks(qtype, rows, cols, seed=1)
     want = quants.dequantize(raw, qtype).reshape(rows, cols)
     w = block_weight("f.gguf", _tensor(raw, qtype, rows, cols), "float32")
-    assert w.q.dtype == np.int8 and w.block == 32 and w.offset.shape == w.scale.shape
-    assert qtype == Q.Q4_1 or not np.any(w.offset)  # Q8_0, Q4_0: zero offsets
+    assert w.q.dtype == np.int8 and w.block == 32 and w.offset.shape == w.scale.shape == (rows, cols // 32)
+    assert qtype not in ZERO_OFFSETS or not np.any(w.offset)  # Q8_0, Q4_0, Q5_0: zero offsets
     for got in (w.dequantize(), jax.jit(QuantizedWeight.dequantize)(w)):
         np.testing.assert_array_equal(np.asarray(got).view(np.uint32), want.view(np.uint32))
     np.testing.assert_array_equal(np.asarray(w.rows(jnp.array([4, 0]))).view(np.uint32), want[[4, 0]].view(np.uint32))
@@ -61,12 +65,12 @@ def test_block_decode_is_gguf_bit_for_bit(qtype):
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 32])
 def test_block_products_equal_the_dequantized_float_product(rows):
-    """A fused product of mixed parts (Q4_0, Q4_1, Q8_0 rows: zero offsets for the first and
-    last) against x . dequantized^T, weight-only at every row count; and a block weight made
-    without offset (x . dequantized^T)."""
-    cols = 128
+    """A fused product of mixed parts (Q4_0, Q4_1, Q5_1, Q4_K, Q8_0 rows: zero offsets for the
+    first and last) against x . dequantized^T, weight-only at every row count; and a block weight
+    made without offset (x . dequantized^T)."""
+    cols = 256
     parts = [block_weight("f.gguf", _tensor(_raw_blocks(t, n, cols, seed=n), t, n, cols), "float32")
-             for t, n in ((Q.Q4_0, 40), (Q.Q4_1, 24), (Q.Q8_0, 16))]
+             for t, n in ((Q.Q4_0, 40), (Q.Q4_1, 24), (Q.Q5_1, 8), (Q.Q4_K, 12), (Q.Q8_0, 16))]
     w = concat_rows(parts)
     dense = np.concatenate([np.asarray(p.dequantize()) for p in parts])
     np.testing.assert_array_equal(np.asarray(w.dequantize()), dense)
@@ -89,7 +93,7 @@ def test_a_table_sized_block_product_in_slices_equals_the_dequantized_product():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1], ids=lambda q: q.name)
 def test_gguf_q4_layers_load_in_their_blocks(tmp_path, qtype):
     """native_blocks=True: every layer product a block weight in the served layout, dequantizing
     to the float load's fused matrices bit for bit; logits equal the float load's (Q4_1's
@@ -104,30 +108,33 @@ def test_gguf_q4_layers_load_in_their_blocks(tmp_path, qtype):
         for key in SERVED:
             w = got[key]
             assert isinstance(w, QuantizedWeight) and w.q.dtype == jnp.int8 and w.scale.dtype == jnp.float32
-            assert qtype == Q.Q4_1 or not np.any(np.asarray(w.offset))
+            assert qtype not in ZERO_OFFSETS or not np.any(np.asarray(w.offset))
             np.testing.assert_array_equal(np.asarray(w.dequantize()), np.asarray(want[key]))
     assert isinstance(native["embed"], QuantizedWeight)  # token_embd written in the same type
     ids = jnp.arange(12) % config.vocab_size
     forward = jax.jit(forward_dense, static_argnums=1)  # the forms as compiled together
     want = np.asarray(forward(floats, config, ids))
-    got = forward(stack_layers(native) if qtype == Q.Q4_1 else native, config, ids)
+    got = forward(stack_layers(native) if qtype in (Q.Q4_1, Q.Q5_1) else native, config, ids)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())  # float rounding
 
 
 def test_a_product_with_a_part_in_another_type_stays_float_and_is_logged(tmp_path, caplog):
-    """blk.0.attn_v in Q5_0 (no block form): layer 0's qkv_proj is float, its other products and
-    layer 1 in blocks; the load says which tensors were dequantized."""
-    params = random_params(TINY, seed=6)
+    """blk.0.ffn_down in Q6_K (16-value blocks: no block form here; its bytes random, d sane):
+    layer 0's down_proj is float, its other products and layer 1 in blocks; the load says which
+    tensors were dequantized."""
+    config = dataclasses.replace(TINY, intermediate_size=256)  # a K-quant row is 256 values
+    params = random_params(config, seed=6)
     path = tmp_path / "mixed.gguf"
-    v = np.asarray(params["layers"][0]["wv"], np.float32).reshape(TINY.hidden_size, -1).T
-    raw = {"blk.0.attn_v.weight": (quants.quantize(np.ascontiguousarray(v), Q.Q5_0), Q.Q5_0)}
-    write_gguf(path, TINY, params, Q.Q4_1, raw=raw)
+    rng = np.random.default_rng(6)
+    raw = rng.integers(0, 256, (config.hidden_size, 210), dtype=np.uint8)  # one 210-byte super-block a row
+    raw[:, 208:210] = (rng.standard_normal(config.hidden_size) * 0.02).astype(np.float16)[:, None].view(np.uint8)
+    write_gguf(path, config, params, Q.Q4_1, raw={"blk.0.ffn_down.weight": (raw, Q.Q6_K)})
     _, floats, _ = load_gguf(path, progress=False)
     with caplog.at_level(logging.WARNING, logger="models.gguf_loader"):
         config, native, _ = load_gguf(path, progress=False, native_blocks=True)
-    assert "mixed.gguf" in caplog.text and "1 Q5_0" in caplog.text
-    assert not isinstance(native["layers"][0]["qkv_proj"], QuantizedWeight)
-    assert all(isinstance(native["layers"][i][k], QuantizedWeight) for i in (0, 1) for k in SERVED[i == 0:])
+    assert "mixed.gguf" in caplog.text and "1 Q6_K" in caplog.text
+    assert not isinstance(native["layers"][0]["down_proj"], QuantizedWeight)
+    assert all(isinstance(native["layers"][i][k], QuantizedWeight) for i in (0, 1) for k in SERVED[:3 + i])
     ids = jnp.arange(12) % config.vocab_size
     want = np.asarray(forward_dense(floats, config, ids))
     np.testing.assert_allclose(np.asarray(forward_dense(native, config, ids)), want, rtol=1e-5,
