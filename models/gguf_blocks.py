@@ -1,7 +1,8 @@
 """GGUF block types served in their own quantization (EngineConfig.quantization="gguf"): Q8_0,
-Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants Q4_K and Q5_K read from the file's raw bytes into
-models/quant.QuantizedWeight with `block=32` (int8 codes [rows, cols], float32 block scales and
-offsets [rows, cols / 32]: the block minimums of Q4_1 / Q5_1 / Q4_K / Q5_K, -0.0 for the others),
+Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants Q4_K, Q5_K and Q6_K read from the file's raw bytes into
+models/quant.QuantizedWeight with `block=32` (Q6_K: 16) (int8 codes [rows, cols], float32 block
+scales and offsets [rows, cols / block]: the block minimums of Q4_1 / Q5_1 / Q4_K / Q5_K, -0.0
+for the others),
 with no float copy of the weights made; and the served layout (q/k/v and gate/up fused along the
 output rows, models/served_layout.py) built from them.
 
@@ -16,6 +17,8 @@ test_gguf_q4.py):
                          minimums mn (8 of each), 128 bytes of nibbles: 8 blocks of 32,
                          w = (d * sc) * q - dmin * mn, q in 0..15
   Q5_K (176 bytes / 256) as Q4_K, plus 32 bytes of fifth bits: q in 0..31
+  Q6_K (210 bytes / 256) 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales sc (one
+                         per 16 values), float16 d: w = (d * sc) * (q - 32), q in 0..63
 The nibbles of a 32-value block: byte j holds value j in its low 4 bits and value j + 16 in its
 high 4 (Q4_K / Q5_K: each 32 bytes hold two blocks, the low nibbles the first); the fifth bit of
 value j is bit j of qh (Q5_K: bit b of byte j of the 32, for block b of the super-block). d * q is
@@ -23,27 +26,49 @@ exact in float32 (an 11-bit float16 significand times an integer of at most 8 bi
 d * sc of at most 17 bits times 5), so the one rounding is the + m (- dmin * mn), wherever it is
 computed; a K-quant block's scale is d * sc and its offset -(dmin * mn), exact.
 
-Stored: one int8 per value (Q4_0 as q - 8 in -8..7 and Q5_0 as q - 16, the same form as Q8_0;
-the others as q) plus float32 scales and offsets (-0.0 for Q8_0, Q4_0 and Q5_0, which the CPU's
-fast product form needs, models/quant.py 5.): 1.25 bytes per weight. Packed nibbles would be
+Stored: one int8 per value (Q4_0 as q - 8 in -8..7, Q5_0 as q - 16 and Q6_K as q - 32, the same
+form as Q8_0; the others as q) plus float32 scales and offsets (-0.0 for Q8_0, Q4_0, Q5_0 and
+Q6_K, which the CPU's fast product form needs, models/quant.py 5.): 1.25 bytes per weight (1.5
+at Q6_K's 16-value blocks). A fused product, or a product stacked over layers, whose parts have
+both block sizes is held at 16 (`with_block`: each 32-value block's scale and offset repeated,
+the same weight exactly). Packed nibbles would be
 0.5 + scales, but XLA:CPU does not fuse the unpacking into the product and runs
 it several times slower (BUILD_NOTES.md "Quantization", experiments/bench/q4_forms.py).
-Other types (F32/F16/BF16, Q2_K, Q3_K, Q6_K (16-value blocks), the IQ types) have no block form
-here and are dequantized to the model's dtype as before (`load_gguf` logs the quantized ones,
+Other types (F32/F16/BF16, Q2_K, Q3_K, the IQ types) have no block form here and are dequantized to the model's dtype as before (`load_gguf` logs the quantized ones,
 once per file).
 """
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 
 from models.quant import QuantizedWeight
 from models.weights import unpermute_rows
 
 BLOCK = 32
-# type name -> (bytes, values) of one stored block (a K-quant super-block holds 8 blocks of 32)
+# type name -> (bytes, values) of one stored block (a K-quant super-block holds 8 blocks of 32,
+# Q6_K's 16 blocks of 16)
 NATIVE_TYPES = {"Q8_0": (34, 32), "Q4_0": (18, 32), "Q4_1": (20, 32), "Q5_0": (22, 32), "Q5_1": (24, 32),
-                "Q4_K": (144, 256), "Q5_K": (176, 256)}
+                "Q4_K": (144, 256), "Q5_K": (176, 256), "Q6_K": (210, 256)}
+
+
+def block_of(kind: str) -> int:
+    """The values per scale of a NATIVE_TYPES type as served: 16 for Q6_K, else 32."""
+    return 16 if kind == "Q6_K" else BLOCK
+
+
+def with_block(w: QuantizedWeight, block: int) -> QuantizedWeight:
+    """A block weight with its scales and offsets repeated to `block` values each (which must
+    divide its own): the same weight, exactly, at a finer block (a fused product or a stack of
+    layers whose parts differ: Q6_K's 16 beside 32)."""
+    if w.block == block:
+        return w
+    if w.block % block:
+        raise ValueError(f"a block weight of {w.block}-value blocks cannot be held at {block}")
+    xp = np if isinstance(w.scale, np.ndarray) else jnp
+    repeat = lambda a: None if a is None else xp.repeat(a, w.block // block, axis=-1)  # noqa: E731
+    return QuantizedWeight(w.q, repeat(w.scale), w.dtype_name, block=block, offset=repeat(w.offset))
 
 
 def block_weight(path: str, tensor, dtype: str) -> QuantizedWeight:
@@ -67,6 +92,8 @@ def block_weight(path: str, tensor, dtype: str) -> QuantizedWeight:
 
     if kind in ("Q4_K", "Q5_K"):
         return _k_quant(blocks, kind, rows, cols, dtype, half(0), half(2))
+    if kind == "Q6_K":
+        return _q6_k(blocks, rows, cols, dtype, half(208))
     d = half(0)
     # Q8_0, Q4_0 and Q5_0 get offsets of -0.0 (x + -0.0 is x bit for bit, negative zeros
     # included): the product's fast form on XLA:CPU needs an offset, and a constant one
@@ -110,11 +137,30 @@ def _k_quant(blocks, kind, rows, cols, dtype, d, dmin) -> QuantizedWeight:
     return QuantizedWeight(q.reshape(rows, cols).astype(np.int8), scale, dtype_name=dtype, block=BLOCK, offset=offset)
 
 
+def _q6_k(blocks, rows, cols, dtype, d) -> QuantizedWeight:
+    """Q6_K super-blocks [rows, n, 210] -> 16 blocks of 16 each: scale d * sc (sc int8), codes
+    q - 32 in -32..31, offsets -0.0. Bytes: 128 of low nibbles, 64 of high 2-bit pairs, 16 scales,
+    float16 d. Of the 256 values, the 32 of group h * 4 + k (h the half, k 0..3) take the low
+    (k < 2) or high nibbles of the half's 64 low-nibble bytes (their first or last 32 for even or
+    odd k), and bits 2k..2k+1 of the half's 32 high-pair bytes."""
+    n = blocks.shape[1]
+    low = blocks[..., :128].reshape(rows, n, 2, 1, 64) >> np.array([0, 4], np.uint8)[:, None]
+    low = (low & 15).reshape(rows, n, 2, 4, 32)  # (half, k, 32)
+    pairs = blocks[..., 128:192].reshape(rows, n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]
+    q = (low | ((pairs & 3) << 4)).reshape(rows, cols).astype(np.int8) - np.int8(32)
+    sc = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).astype(np.float32)  # [rows, n, 16]
+    scale = (d[..., None] * sc).reshape(rows, cols // 16)
+    return QuantizedWeight(q, scale, dtype_name=dtype, block=16, offset=np.full_like(scale, -0.0))
+
+
 def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
-    """Block weights [o_k, i] stacked along their rows (a fused product: qkv_proj, gate_up_proj);
-    a part with no offset gets -0.0 (exact: d * q + -0.0 is d * q)."""
+    """Block weights [o_k, i] stacked along their rows (a fused product: qkv_proj, gate_up_proj),
+    at the finest block among them (with_block); a part with no offset gets -0.0 (exact: d * q +
+    -0.0 is d * q)."""
     if len(weights) == 1:
         return weights[0]
+    block = min(w.block for w in weights)
+    weights = [with_block(w, block) for w in weights]
     offset = None
     if any(w.offset is not None for w in weights):
         offset = np.concatenate([w.offset if w.offset is not None else np.full_like(w.scale, -0.0) for w in weights])

@@ -10,15 +10,15 @@ ffn_{gate,up,down}_exps [E, out, in]) instead of the MLP; a tensor left over is 
 problem raises an error that names the file and what is wrong with it.
 
 `native_blocks=True` (EngineConfig.quantization="gguf") serves the file's Q8_0, Q4_0, Q4_1,
-Q5_0, Q5_1, Q4_K and Q5_K tensors in their own blocks (models/gguf_blocks.py): the tables (token_embd, an untied output)
+Q5_0, Q5_1, Q4_K, Q5_K and Q6_K tensors in their own blocks (models/gguf_blocks.py): the tables (token_embd, an untied output)
 and, for a dense model, the layers' products, read from the raw bytes into
-models/quant.QuantizedWeight (int8 codes, float32 scales per 32 values, the minimums as offsets) with no
+models/quant.QuantizedWeight (int8 codes, float32 scales per 32 values (Q6_K 16), the minimums as offsets) with no
 float copy made; the products and lookups dequantize inside. The layers then come in the served
 layout (models/served_layout.py: qkv_proj, o_proj, gate_up_proj, down_proj, bqkv), since a
 fused product of block weights is built from the file's rows; a product is served in blocks
 when all its parts are of those types (mixed among them is fine), else in float as before.
 Left in float (dequantized to `dtype`, logged once per file when a quantized type is among
-them): Q2_K, Q3_K and Q6_K (no block form here), and a mixture of experts' layers.
+them): Q2_K, Q3_K and the IQ types (no block form here), and a mixture of experts' layers.
 """
 
 from __future__ import annotations
@@ -31,7 +31,16 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from models.gguf_blocks import FUSED, NATIVE_TYPES, block_weight, served_products, unpermute_weight
+from models.gguf_blocks import (
+    BLOCK,
+    FUSED,
+    NATIVE_TYPES,
+    block_of,
+    block_weight,
+    served_products,
+    unpermute_weight,
+    with_block,
+)
 from models.gguf_config import config_from_gguf
 from models.quant import QuantizedWeight
 from models.weights import layer_from_matrices, to_device, unpermute_rows
@@ -157,6 +166,13 @@ def load_gguf(path: str | os.PathLike, *, dtype: str = "float32", progress: bool
                                                      tensors[ours[p]].tensor_type.name in NATIVE_TYPES for p in parts)
                 for p in parts} if served else set()
 
+    # Each served product at the finest block any layer's parts have (Q6_K's 16 beside 32), so
+    # the layers stack (a scan over stacked layers needs one block per product).
+    finest = {served_name: min([block_of(tensors[f"blk.{i}.{k}"].tensor_type.name)
+                                for i in range(config.num_layers) for k, v in suffixes.items()
+                                if v in parts and f"blk.{i}.{k}" in tensors] or [BLOCK])
+              for served_name, parts in FUSED.items()} if served else {}
+
     bar = tqdm(total=len(tensors), desc=f"loading {os.path.basename(path)}", unit="tensor",
                disable=not progress, leave=False)
     layers = []
@@ -178,6 +194,7 @@ def load_gguf(path: str | os.PathLike, *, dtype: str = "float32", progress: bool
                     m[key] = unpermute_rows(m[key], heads)
         where = f"{path}: layer {i}"
         layer = _served_layer(config, m, natives, where) if served else layer_from_matrices(config, m, where)
+        layer = {k: with_block(w, finest[k]) if isinstance(w, QuantizedWeight) else w for k, w in layer.items()}
         layers.append(_place(layer, dtype, host))
 
     def table(name: str):  # in its blocks (native_blocks) where it has a block form

@@ -7,7 +7,13 @@ with test_disaggregation.py."""
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from tests.engine.conftest import run_to_completion
-from tests.engine.disaggregation_shared import KNOBS, PROMPTS, abort_in_every_phase, churn, same_outputs
+from tests.engine.disaggregation_shared import (
+    KNOBS,
+    PROMPTS,
+    abort_in_every_phase,
+    churn,
+    same_outputs,
+)
 
 # The load on the decode process when it is killed (test below): prompts no pool has seen, so each
 # moves blocks the decode process must pull. "d": decoding there (long outputs, so they still are),

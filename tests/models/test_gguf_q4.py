@@ -1,4 +1,4 @@
-"""GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q8_0 served in their own blocks (models/gguf_blocks.py, models/quant.py 5.;
+"""GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K / Q8_0 served in their own blocks (models/gguf_blocks.py, models/quant.py 5.;
 EngineConfig.quantization="gguf"): the decode is gguf.quants' bit for bit, the products equal the
 dequantized float product, and a written GGUF's layers load and serve in blocks with the float
 load's logits and greedy tokens."""
@@ -27,6 +27,11 @@ TINY = preset_config("tiny")
 SERVED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
+# The float16 fields of a block (byte offsets) where they are not (0, 2): d (and m / dmin).
+HALVES = {"Q8_0": (0,), "Q4_0": (0,), "Q5_0": (0,), "Q6_K": (208,), "Q2_K": (80, 82)}
+OTHER_TYPES = {"Q2_K": (84, 256)}  # a type with no block form here: (bytes, values)
+
+
 def _tensor(data: np.ndarray, qtype, rows: int, cols: int, name: str = "w"):
     """What text/gguf_file.GGUFFile gives block_weight: the raw bytes, the type, the GGUF shape."""
     return types.SimpleNamespace(name=name, tensor_type=qtype, shape=(cols, rows), data=data)
@@ -35,17 +40,17 @@ def _tensor(data: np.ndarray, qtype, rows: int, cols: int, name: str = "w"):
 def _raw_blocks(qtype, rows: int, cols: int, seed: int) -> np.ndarray:
     """Every byte random except the float16 d (and m): finite, both signs, zero and subnormal."""
     rng = np.random.default_rng(seed)
-    size, values = NATIVE_TYPES[qtype.name]
+    size, values = NATIVE_TYPES[qtype.name] if qtype.name in NATIVE_TYPES else OTHER_TYPES[qtype.name]
     raw = rng.integers(0, 256, (rows, cols // values, size), dtype=np.uint8)
-    for at in (0,) if qtype in (Q.Q8_0, Q.Q4_0, Q.Q5_0) else (0, 2):  # d, and m or dmin
+    for at in HALVES.get(qtype.name, (0, 2)):  # d, and m or dmin
         halves = (rng.standard_normal(raw.shape[:2]) * 0.02).astype(np.float16)
         halves.flat[:3] = np.array([0.0, -0.0, 3e-7], np.float16)  # zero, negative zero, subnormal
         raw[..., at:at + 2] = halves[..., None].view(np.uint8)
     return raw.reshape(rows, -1)
 
 
-ZERO_OFFSETS = (Q.Q8_0, Q.Q4_0, Q.Q5_0)
-ALL_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q8_0]
+ZERO_OFFSETS = (Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q6_K)
+ALL_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0]
 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
@@ -54,7 +59,8 @@ def test_block_decode_is_gguf_bit_for_bit(qtype):
     raw = _raw_blocks(qtype, rows, cols, seed=1)
     want = quants.dequantize(raw, qtype).reshape(rows, cols)
     w = block_weight("f.gguf", _tensor(raw, qtype, rows, cols), "float32")
-    assert w.q.dtype == np.int8 and w.block == 32 and w.offset.shape == w.scale.shape == (rows, cols // 32)
+    block = 16 if qtype == Q.Q6_K else 32
+    assert w.q.dtype == np.int8 and w.block == block and w.offset.shape == w.scale.shape == (rows, cols // block)
     assert qtype not in ZERO_OFFSETS or not np.any(w.offset)  # Q8_0, Q4_0, Q5_0: zero offsets
     for got in (w.dequantize(), jax.jit(QuantizedWeight.dequantize)(w)):
         np.testing.assert_array_equal(np.asarray(got).view(np.uint32), want.view(np.uint32))
@@ -65,13 +71,15 @@ def test_block_decode_is_gguf_bit_for_bit(qtype):
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 32])
 def test_block_products_equal_the_dequantized_float_product(rows):
-    """A fused product of mixed parts (Q4_0, Q4_1, Q5_1, Q4_K, Q8_0 rows: zero offsets for the
-    first and last) against x . dequantized^T, weight-only at every row count; and a block weight
-    made without offset (x . dequantized^T)."""
+    """A fused product of mixed parts (Q4_0, Q4_1, Q5_1, Q4_K, Q6_K, Q8_0 rows: zero offsets for
+    the first and the last two; Q6_K's 16-value blocks make the whole product 16) against
+    x . dequantized^T, weight-only at every row count; and a block weight made without offset
+    (x . dequantized^T)."""
     cols = 256
     parts = [block_weight("f.gguf", _tensor(_raw_blocks(t, n, cols, seed=n), t, n, cols), "float32")
-             for t, n in ((Q.Q4_0, 40), (Q.Q4_1, 24), (Q.Q5_1, 8), (Q.Q4_K, 12), (Q.Q8_0, 16))]
+             for t, n in ((Q.Q4_0, 40), (Q.Q4_1, 24), (Q.Q5_1, 8), (Q.Q4_K, 12), (Q.Q6_K, 4), (Q.Q8_0, 16))]
     w = concat_rows(parts)
+    assert w.block == 16 and w.scale.shape == (104, cols // 16)
     dense = np.concatenate([np.asarray(p.dequantize()) for p in parts])
     np.testing.assert_array_equal(np.asarray(w.dequantize()), dense)
     x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, cols), np.float32))
@@ -118,26 +126,52 @@ def test_gguf_q4_layers_load_in_their_blocks(tmp_path, qtype):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())  # float rounding
 
 
-def test_a_product_with_a_part_in_another_type_stays_float_and_is_logged(tmp_path, caplog):
-    """blk.0.ffn_down in Q6_K (16-value blocks: no block form here; its bytes random, d sane):
-    layer 0's down_proj is float, its other products and layer 1 in blocks; the load says which
-    tensors were dequantized."""
-    config = dataclasses.replace(TINY, intermediate_size=256)  # a K-quant row is 256 values
-    params = random_params(config, seed=6)
+def _mixed_file(tmp_path, down_types: dict, seed: int):
+    """A written Q4_1 GGUF of TINY with an MLP width of 256 (a K-quant row), whose layers'
+    ffn_down are random blocks of the given types (layer index -> type)."""
+    config = dataclasses.replace(TINY, intermediate_size=256)
+    params = random_params(config, seed=seed)
     path = tmp_path / "mixed.gguf"
-    rng = np.random.default_rng(6)
-    raw = rng.integers(0, 256, (config.hidden_size, 210), dtype=np.uint8)  # one 210-byte super-block a row
-    raw[:, 208:210] = (rng.standard_normal(config.hidden_size) * 0.02).astype(np.float16)[:, None].view(np.uint8)
-    write_gguf(path, config, params, Q.Q4_1, raw={"blk.0.ffn_down.weight": (raw, Q.Q6_K)})
+    raw = {f"blk.{i}.ffn_down.weight": (_raw_blocks(t, config.hidden_size, 256, seed=seed + i), t)
+           for i, t in down_types.items()}
+    write_gguf(path, config, params, Q.Q4_1, raw=raw)
+    return path
+
+
+def test_a_product_with_a_part_in_another_type_stays_float_and_is_logged(tmp_path, caplog):
+    """blk.0.ffn_down in Q2_K (no block form here; its bytes random, d and dmin sane): layer 0's
+    down_proj is float, its other products and layer 1 in blocks; the load says which tensors were
+    dequantized."""
+    path = _mixed_file(tmp_path, {0: Q.Q2_K}, seed=6)
     _, floats, _ = load_gguf(path, progress=False)
     with caplog.at_level(logging.WARNING, logger="models.gguf_loader"):
         config, native, _ = load_gguf(path, progress=False, native_blocks=True)
-    assert "mixed.gguf" in caplog.text and "1 Q6_K" in caplog.text
+    assert "mixed.gguf" in caplog.text and "1 Q2_K" in caplog.text
     assert not isinstance(native["layers"][0]["down_proj"], QuantizedWeight)
     assert all(isinstance(native["layers"][i][k], QuantizedWeight) for i in (0, 1) for k in SERVED[:3 + i])
     ids = jnp.arange(12) % config.vocab_size
     want = np.asarray(forward_dense(floats, config, ids))
     np.testing.assert_allclose(np.asarray(forward_dense(native, config, ids)), want, rtol=1e-5,
+                               atol=1e-5 * np.abs(want).max())
+
+
+def test_a_product_in_q6_k_and_q4_k_layers_stacks_at_16_value_blocks(tmp_path):
+    """A Q4_K_M-like file: layer 0's ffn_down Q6_K (16-value blocks), layer 1's Q4_K (32): both
+    layers' down_proj load at 16 (the finest), dequantize to the float load's bit for bit, and
+    stack on a layer axis with the float load's logits."""
+    path = _mixed_file(tmp_path, {0: Q.Q6_K, 1: Q.Q4_K}, seed=8)
+    _, floats, _ = load_gguf(path, progress=False)
+    config, native, _ = load_gguf(path, progress=False, native_blocks=True)
+    served = fuse_projections(floats)
+    for got, want in zip(native["layers"], served["layers"]):
+        assert got["down_proj"].block == 16 and got["gate_up_proj"].block == 32
+        np.testing.assert_array_equal(np.asarray(got["down_proj"].dequantize()), np.asarray(want["down_proj"]))
+    stacked = stack_layers(native)
+    assert stacked["layers"]["down_proj"].scale.shape == (2, config.hidden_size, 256 // 16)
+    ids = jnp.arange(12) % config.vocab_size
+    forward = jax.jit(forward_dense, static_argnums=1)
+    want = np.asarray(forward(floats, config, ids))
+    np.testing.assert_allclose(np.asarray(forward(stacked, config, ids)), want, rtol=1e-5,
                                atol=1e-5 * np.abs(want).max())
 
 
