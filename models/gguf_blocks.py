@@ -1,10 +1,9 @@
 """GGUF block types served in their own quantization (EngineConfig.quantization="gguf"): Q8_0,
 Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants Q4_K, Q5_K and Q6_K read from the file's raw bytes into
-models/quant.QuantizedWeight with `block=32` (Q6_K: 16) (int8 codes [rows, cols], float32 block
-scales and offsets [rows, cols / block]: the block minimums of Q4_1 / Q5_1 / Q4_K / Q5_K, -0.0
-for the others),
-with no float copy of the weights made; and the served layout (q/k/v and gate/up fused along the
-output rows, models/served_layout.py) built from them.
+models/quant.QuantizedWeight with `block=32` (Q6_K: 16): int8 codes [rows, cols], float32 block
+scales and offsets [rows, cols / block] (the block minimums of Q4_1 / Q5_1 / Q4_K / Q5_K, -0.0
+for the others), with no float copy of the weights made; and the served layout (q/k/v and
+gate/up fused along the output rows, models/served_layout.py) built from them.
 
 Block layouts (gguf.quants; the decode here is bit-identical to its numpy one, tests/models/
 test_gguf_q4.py):
@@ -22,9 +21,10 @@ test_gguf_q4.py):
 The nibbles of a 32-value block: byte j holds value j in its low 4 bits and value j + 16 in its
 high 4 (Q4_K / Q5_K: each 32 bytes hold two blocks, the low nibbles the first); the fifth bit of
 value j is bit j of qh (Q5_K: bit b of byte j of the 32, for block b of the super-block). d * q is
-exact in float32 (an 11-bit float16 significand times an integer of at most 8 bits; the K-quants'
+exact in float32 (an 11-bit float16 significand times an integer of at most 8 bits; Q4_K / Q5_K's
 d * sc of at most 17 bits times 5), so the one rounding is the + m (- dmin * mn), wherever it is
-computed; a K-quant block's scale is d * sc and its offset -(dmin * mn), exact.
+computed; a K-quant block's scale is d * sc and its offset -(dmin * mn), exact. Q6_K's
+(d * sc) * q (up to 19 bits times 6) may round once, the same product gguf.quants rounds.
 
 Stored: one int8 per value (Q4_0 as q - 8 in -8..7, Q5_0 as q - 16 and Q6_K as q - 32, the same
 form as Q8_0; the others as q) plus float32 scales and offsets (-0.0 for Q8_0, Q4_0, Q5_0 and
@@ -34,8 +34,8 @@ both block sizes is held at 16 (`with_block`: each 32-value block's scale and of
 the same weight exactly). Packed nibbles would be
 0.5 + scales, but XLA:CPU does not fuse the unpacking into the product and runs
 it several times slower (BUILD_NOTES.md "Quantization", experiments/bench/q4_forms.py).
-Other types (F32/F16/BF16, Q2_K, Q3_K, the IQ types) have no block form here and are dequantized to the model's dtype as before (`load_gguf` logs the quantized ones,
-once per file).
+Other types (F32/F16/BF16, Q2_K, Q3_K, the IQ types) have no block form here and are
+dequantized to the model's dtype as before (`load_gguf` logs the quantized ones, once per file).
 """
 
 from __future__ import annotations

@@ -10,13 +10,15 @@ ffn_{gate,up,down}_exps [E, out, in]) instead of the MLP; a tensor left over is 
 problem raises an error that names the file and what is wrong with it.
 
 `native_blocks=True` (EngineConfig.quantization="gguf") serves the file's Q8_0, Q4_0, Q4_1,
-Q5_0, Q5_1, Q4_K, Q5_K and Q6_K tensors in their own blocks (models/gguf_blocks.py): the tables (token_embd, an untied output)
-and, for a dense model, the layers' products, read from the raw bytes into
-models/quant.QuantizedWeight (int8 codes, float32 scales per 32 values (Q6_K 16), the minimums as offsets) with no
-float copy made; the products and lookups dequantize inside. The layers then come in the served
-layout (models/served_layout.py: qkv_proj, o_proj, gate_up_proj, down_proj, bqkv), since a
-fused product of block weights is built from the file's rows; a product is served in blocks
-when all its parts are of those types (mixed among them is fine), else in float as before.
+Q5_0, Q5_1, Q4_K, Q5_K and Q6_K tensors in their own blocks (models/gguf_blocks.py): the tables
+(token_embd, an untied output) and, for a dense model, the layers' products, read from the raw
+bytes into models/quant.QuantizedWeight (int8 codes, float32 scales per 32 values (Q6_K: 16),
+the minimums as offsets) with no float copy made; the products and lookups dequantize inside.
+The layers then come in the served layout (models/served_layout.py: qkv_proj, o_proj,
+gate_up_proj, down_proj, bqkv), since a fused product of block weights is built from the file's
+rows; a product is served in blocks when all its parts are of those types (mixed among them is
+fine: at 16-value blocks where any part, in any layer, is Q6_K, so the layers stack), else in
+float as before.
 Left in float (dequantized to `dtype`, logged once per file when a quantized type is among
 them): Q2_K, Q3_K and the IQ types (no block form here), and a mixture of experts' layers.
 """
