@@ -22,7 +22,12 @@ Walkthrough of one layer's call:
      the whole cache to float32 to gather from it) and converted after the gather; a uint16
      cache (the bits of a 16-bit cache, kv_write.py) is read as q's dtype.
   3. Online softmax in float32 (running max m, sum denom, accumulator acc), masked causally by
-     position, by the sliding window, and to the block's real rows.
+     position, by the sliding window, and to the block's real rows. For one-token rows (block_q
+     1: the decode rows) P . V is a multiply and a sum over the kv positions, not a product:
+     XLA:CPU computes the product as V^T . P^T (the [D, kv] side has more rows than G) and writes
+     every gathered V page transposed first, the step's largest attention op; the sum reads V as
+     gathered (BUILD_NOTES.md "CPU attention forms", stop 41: a bfloat16 32-row decode step
+     1.27x, float32 1.09x).
   4. out = acc / l, gathered back to [T, Hq, D]; padding tokens get zeros.
 """
 
@@ -149,7 +154,11 @@ def page_loop(qb, tables, first_step, last_step, row_pos, row_ok, kv: PagedKV, *
         p = jnp.exp(s - m_safe[..., None])
         alpha = jnp.exp(m - m_safe)
         denom = alpha * denom + jnp.sum(p, axis=-1)
-        acc = alpha[..., None] * acc + jnp.einsum("nqhgk,nkhd->nqhgd", p, v)
+        if bq == 1:  # one-token rows: P . V as a multiply and a sum over the kv positions
+            pv = jnp.sum(p[..., None] * jnp.swapaxes(v, 1, 2)[:, None, :, None, :, :], axis=-2)
+        else:
+            pv = jnp.einsum("nqhgk,nkhd->nqhgd", p, v)
+        acc = alpha[..., None] * acc + pv
         return m_new, denom, acc
 
     init = (
