@@ -15,6 +15,7 @@ from engine.disaggregation_config import DisaggregationConfig
 from engine.lora_config import check_lora_config
 from engine.speculative_config import SpeculativeConfig
 from models.kv_bytes import KV_CACHE_DTYPES
+from models.weight_formats import QUANTIZATIONS
 from scheduler.config import KV_ALLOCATIONS, POLICIES
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -174,8 +175,6 @@ class EngineConfig:
             raise ValueError("EngineConfig.disaggregation needs policy fcfs or priority and kv_allocation paged")
 
     def _check_quantization(self) -> None:
-        from models.quant import QUANTIZATIONS  # jax: only once a config is built
-
         _choice("quantization", self.quantization, (*QUANTIZATIONS, "gguf"), allow_none=True)
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         rows = self.quantization_activation_rows

@@ -40,7 +40,6 @@ dequantized to the model's dtype as before (`load_gguf` logs the quantized ones,
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
 
 from models.quant import QuantizedWeight
@@ -59,15 +58,14 @@ def block_of(kind: str) -> int:
 
 
 def with_block(w: QuantizedWeight, block: int) -> QuantizedWeight:
-    """A block weight with its scales and offsets repeated to `block` values each (which must
-    divide its own): the same weight, exactly, at a finer block (a fused product or a stack of
+    """A block weight (numpy, as loaded) with its scales and offsets repeated to `block` values
+    each (which must divide its own): the same weight, exactly, at a finer block (a fused product or a stack of
     layers whose parts differ: Q6_K's 16 beside 32)."""
     if w.block == block:
         return w
     if w.block % block:
         raise ValueError(f"a block weight of {w.block}-value blocks cannot be held at {block}")
-    xp = np if isinstance(w.scale, np.ndarray) else jnp
-    repeat = lambda a: None if a is None else xp.repeat(a, w.block // block, axis=-1)  # noqa: E731
+    repeat = lambda a: None if a is None else np.repeat(a, w.block // block, axis=-1)  # noqa: E731
     return QuantizedWeight(w.q, repeat(w.scale), w.dtype_name, block=block, offset=repeat(w.offset))
 
 

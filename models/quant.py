@@ -6,7 +6,8 @@ layers, [E, o, i] for experts.
 
 1. What is quantized (`quantize_params`, on the served layout, so every projection is already
    one out-major matrix): qkv_proj, o_proj, gate_up_proj, down_proj and the experts'
-   experts_gate_up / experts_down; with int8 also the tables (QUANTIZED_TABLES), the embedding
+   experts_gate_up / experts_down; with int8 also the tables (models/weight_formats.py
+   QUANTIZED_TABLES), the embedding
    (per vocabulary row) and output_proj (an untied lm_head). int8 quantizes the embedding because
    it is the lm_head of a tied model and 21 % of the default model's weights: left in float32,
    int8 would be 0.41x float32's bytes instead of 0.25x. fp8 leaves both tables in the model's
@@ -81,7 +82,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-QUANTIZATIONS = ("int8", "fp8")
+from models.weight_formats import QUANTIZATIONS, QUANTIZED_TABLES
+
 # quantize_params(activation_group=G): activations quantized with one scale per G input channels
 # of a row (where G divides the product's input width). On the default model per-row scales cost
 # 3.5 % perplexity on 2,048 tokens (the residual stream's outlier channels coarsen the whole row),
@@ -94,8 +96,6 @@ _STORED = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 # GROUPED_PRODUCTS, plus the tables); the router stays float.
 QUANTIZED_LAYER_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "experts_gate_up",
                            "experts_down")
-# The tables each method quantizes (module docstring, 1.): fp8 keeps them in the model's dtype.
-QUANTIZED_TABLES = {"int8": ("embed", "output_proj"), "fp8": ()}
 # Block weights on XLA:CPU (module docstring, 5.): products of 2-7 rows are padded to this many,
 # where the split form's fusion is 2x faster than at 2-6 rows; a weight of more output rows than
 # _SPLIT_MAX_ROWS (a vocabulary table) runs in slices of _SPLIT_CHUNK rows, 2x faster than whole.

@@ -6,7 +6,7 @@ the weight quantization; its bytes per KV token are models/kv_bytes.py's.
   value plus one float32 scale per output row; the quantized matrices are the served layout's
   qkv_proj [d (H + 2 K), e], o_proj [e, d H], gate_up_proj [2 f, e], down_proj [e, f] (for MoE
   the experts' [E 2 f_e, e] and [E e, f_e], a scale per expert and row) per layer, and with int8
-  the tables (models/quant.py QUANTIZED_TABLES): the embedding [V, e] (per vocabulary row) and an
+  the tables (models/weight_formats.py QUANTIZED_TABLES): the embedding [V, e] (per vocabulary row) and an
   untied output_proj [V, e]; fp8 keeps the tables in the model dtype. The rest (norms, the MoE
   router) stays in the model dtype.
 - KV per token (models/kv_bytes.py kv_bytes_per_token, the rule that sizes the engine's pool,
@@ -17,16 +17,20 @@ the weight quantization; its bytes per KV token are models/kv_bytes.py's.
 
 from __future__ import annotations
 
+from models import weight_formats
 from models.config import ModelConfig
 
-QUANTIZATIONS = (None, "int8", "fp8")
-TABLES_QUANTIZED = {"int8": True, "fp8": False}  # models/quant.py QUANTIZED_TABLES (no jax here)
-WEIGHT_SCALE_BYTES = 4  # float32, one per output row of a quantized matrix (models/quant.py)
+QUANTIZATIONS = (None, *weight_formats.QUANTIZATIONS)
 
 
 def _check(quantization) -> None:
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be None, int8 or fp8; got {quantization!r}")
+
+
+def _tables_quantized(quantization: str) -> bool:
+    """Whether the method quantizes the tables (models/weight_formats.py QUANTIZED_TABLES)."""
+    return bool(weight_formats.QUANTIZED_TABLES[quantization])
 
 
 def quantized_matrices(config: ModelConfig) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
@@ -45,7 +49,7 @@ def quantized_matrices(config: ModelConfig) -> tuple[list[tuple[int, int]], list
 def _quantized_bytes(matrices) -> tuple[int, int]:
     """(float parameters they replace, their bytes quantized)."""
     params = sum(r * c for r, c in matrices)
-    return params, params + WEIGHT_SCALE_BYTES * sum(r for r, _ in matrices)
+    return params, params + weight_formats.SCALE_BYTES * sum(r for r, _ in matrices)
 
 
 def weight_bytes(config: ModelConfig, itemsize: int, quantization: str | None = None) -> int:
@@ -55,7 +59,7 @@ def weight_bytes(config: ModelConfig, itemsize: int, quantization: str | None = 
         return config.num_params * itemsize
     layer, tables = quantized_matrices(config)
     layer_params, layer_bytes = _quantized_bytes(layer)
-    table_params, table_bytes = _quantized_bytes(tables) if TABLES_QUANTIZED[quantization] else (0, 0)
+    table_params, table_bytes = _quantized_bytes(tables) if _tables_quantized(quantization) else (0, 0)
     rest = config.num_params - config.num_layers * layer_params - table_params
     return config.num_layers * layer_bytes + table_bytes + rest * itemsize
 
@@ -67,7 +71,7 @@ def untied_embedding_bytes(config: ModelConfig, itemsize: int, quantization: str
     if config.tie_word_embeddings:
         return 0
     rows, cols = config.vocab_size, config.hidden_size
-    if quantization is None or not TABLES_QUANTIZED[quantization]:
+    if quantization is None or not _tables_quantized(quantization):
         return rows * cols * itemsize
     return _quantized_bytes([(rows, cols)])[1]
 
