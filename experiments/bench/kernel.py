@@ -20,7 +20,9 @@ context the bucket allows), else the longest context's pages. Forms (--forms, th
 pallas_kernels/xla_forms.py): "auto" (the bucket's rule), "loop", "split", and "loop128" (the loop
 form with 128 kv positions a step, the path before the forms). Times are medians of `repeats`
 interleaved runs (every form and dense in turn) after a warm-up; the ratio form / dense is the
-number to watch. A quick run: --repeats=5.
+number to watch. A quick run: --repeats=5. --bucket_tokens / --bucket_seqs pad the paged batch as
+the engine pads a step to its compiled bucket (T and S columns then show the bucket's; dense
+attention stays the real sequences' alone).
 """
 
 import functools
@@ -42,6 +44,9 @@ flags.DEFINE_list("forms", ["auto", "loop", "split"],
 flags.DEFINE_integer("decode_seqs", 32, "Decoding sequences (one query token each).")
 flags.DEFINE_integer("prefill_seqs", 2, "Prefill chunks in the mixed batch.")
 flags.DEFINE_integer("prefill_chunk", 128, "Tokens per prefill chunk in the mixed batch.")
+flags.DEFINE_integer("bucket_seqs", 0, "Sequences of the compiled bucket the batch is padded to, as the "
+                     "engine pads a step (0: the batch's own count).")
+flags.DEFINE_integer("bucket_tokens", 0, "Tokens of the compiled bucket the batch is padded to (0: its own).")
 flags.DEFINE_integer("num_q_heads", 9, "Query heads (default: SmolLM2-135M).")
 flags.DEFINE_integer("num_kv_heads", 3, "KV heads (default: SmolLM2-135M).")
 flags.DEFINE_integer("head_dim", 64, "Head dimension (default: SmolLM2-135M).")
@@ -93,6 +98,20 @@ def make_batch(rng, q_lens, kv_lens, *, hq, hkv, d, block_size, dtype, max_model
             )
         )
     return paged, groups
+
+
+def pad_to_bucket(paged, bucket_tokens: int, bucket_seqs: int):
+    """The batch as a bucket of (bucket_tokens, bucket_seqs) carries it: padding tokens (zeros)
+    after the real ones, padded sequences with no tokens, no context and null-block tables."""
+    T, S = paged["q"].shape[0], paged["seq_lens"].shape[0]
+    if bucket_tokens < T and bucket_tokens or bucket_seqs < S and bucket_seqs:
+        raise ValueError(f"a bucket of ({bucket_tokens}, {bucket_seqs}) cannot hold {T} tokens of {S} sequences")
+    t, s = max(0, bucket_tokens - T), max(0, bucket_seqs - S)
+    qsl = paged["query_start_loc"]
+    return dict(paged, q=jnp.pad(paged["q"], ((0, t), (0, 0), (0, 0))),
+                seq_lens=jnp.pad(paged["seq_lens"], (0, s)),
+                block_tables=jnp.pad(paged["block_tables"], ((0, s), (0, 0))),
+                query_start_loc=jnp.pad(qsl, (0, s), constant_values=qsl[-1]))
 
 
 def dense_attention(q, k, v, seq_lens, *, sm_scale):
@@ -205,11 +224,13 @@ def main(argv):
                 d=FLAGS.head_dim, block_size=FLAGS.block_size, dtype=dtype,
                 max_model_len=FLAGS.max_model_len,
             )
+            real_tokens = len(paged["q"])
+            paged = pad_to_bucket(paged, FLAGS.bucket_tokens, FLAGS.bucket_seqs)
             mds = {f: prepare_fns[f](paged) for f in FLAGS.forms}
             out_dense = jnp.concatenate([o.reshape(-1, *o.shape[2:]) for o in dense_fn(groups)], axis=0)
             for f, md in mds.items():  # same answer (dense groups are decodes first, as the batch)
                 np.testing.assert_allclose(
-                    np.asarray(layer_fn(paged, md), np.float32),
+                    np.asarray(layer_fn(paged, md), np.float32)[:real_tokens],
                     np.asarray(out_dense, np.float32),
                     atol=2e-2 if FLAGS.dtype == "bfloat16" else 1e-4,
                     err_msg=f"form {f}",
@@ -221,7 +242,7 @@ def main(argv):
             )
             dense_s = times[0]
             print(
-                f"{name:8} {len(paged['q']):5d} {len(q_lens):4d} {max(kv_lens):7d} "
+                f"{name:8} {len(paged['q']):5d} {len(paged['seq_lens']):4d} {max(kv_lens):7d} "
                 f"{dense_s * 1e3:8.3f} "
                 + " ".join(f"{t * 1e3:8.3f} {t / dense_s:6.2f}" for t in times[1:]),
                 flush=True,
