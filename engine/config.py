@@ -60,6 +60,7 @@ class EngineConfig:
     prompt_scoring_bucket: bool = True  # compile the largest token bucket once more with a logit row per token, for the steps that score a prompt (prompt_logprobs; echo with logprobs): a scored prompt then advances by its share of the token budget under load; False: one executable fewer, and a scored prompt gets only the logit rows the other requests leave
     precompile: bool = True  # compile every bucket at start-up
     background_compile: bool = False  # with precompile: compile the smallest and largest buckets at start-up and the rest on a background thread (steps pad to a compiled bucket meanwhile); make serve turns it on
+    warmup: bool = True  # run each compiled bucket once on an all-padding step before any request does (XLA:CPU's first run of an executable costs ~0.3 s more than the next); buckets compiled in the background warm while the server is idle; False: the first step in each bucket pays it
     tensor_parallel_size: int = 1  # devices one model is split over (the mesh's "model" axis)
     data_parallel_size: int = 1  # replicas, each on its own tensor_parallel_size devices ("data")
     expert_parallel_size: int = 1  # a mixture of experts: the tensor_parallel_size devices form this many expert groups, each holding num_experts / expert_parallel_size experts (their MLP width split over the group's devices); attention, embeddings and head stay split over all tensor_parallel_size devices; 1: every device holds every expert's slice
@@ -123,7 +124,7 @@ class EngineConfig:
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"EngineConfig.{name} must be a boolean or None, got {value!r}")
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "interpret", "precompile",
-                     "background_compile", "prompt_scoring_bucket", "disable_hybrid_kv_cache_manager"):
+                     "background_compile", "warmup", "prompt_scoring_bucket", "disable_hybrid_kv_cache_manager"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} must be a boolean, got {getattr(self, name)!r}")
         for name in ("token_buckets", "seq_buckets"):

@@ -209,7 +209,7 @@ def build_parts(config: EngineConfig, *, progress: bool = True, mesh=None, loade
                          lora=lora_slots, lora_method=lora_method,
                          quantization=None if config.quantization == "gguf" else config.quantization,  # gguf: loaded quantized
                          activation_rows=resolve_activation_rows(config, platform),
-                         kv_cache_dtype=config.kv_cache_dtype)
+                         kv_cache_dtype=config.kv_cache_dtype, warmup=config.warmup)
     proposer = None
     if spec is not None and spec.method == "draft_model":
         proposer = build_draft_proposer(config, shapes, loaded, dtype=dtype, backend=backend,
@@ -255,7 +255,8 @@ def build_draft_proposer(config: EngineConfig, shapes: RunnerShapes, target, *, 
     runner = ModelRunner(draft.config, draft.params, draft_shapes, dtype=dtype, attention_backend=backend,
                          interpret=config.interpret, layer_loop=resolve_layer_loop(config, platform),
                          precompile=config.precompile,
-                         background_compile=config.background_compile, progress=progress)
+                         background_compile=config.background_compile, progress=progress,
+                         warmup=config.warmup)
     return DraftModelProposer(runner, spec.num_speculative_tokens)
 
 

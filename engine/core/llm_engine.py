@@ -273,6 +273,20 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
+    def warm_up_next(self) -> bool:
+        """For idle moments (AsyncLLMEngine): runs one compiled bucket that has not run yet once on
+        an all-padding step (ModelRunner.warm_up_next; with EngineConfig.warmup, for the buckets
+        compiled in the background). True if it ran one."""
+        if self.dead_reason is not None or self._requests:
+            return False
+        warm = getattr(self.runner, "warm_up_next", None)
+        return bool(warm and warm())
+
+    def warm_up_pending(self) -> bool:
+        """Whether warm_up_next has, or will have once the background compilation publishes
+        more buckets, one to run."""
+        return self.dead_reason is None and bool(getattr(self.runner, "warm_up_pending", False))
+
     # -- the step -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

@@ -5,7 +5,9 @@ methods. What happens:
 
 1. A handler on the event loop validates its input, then `await add_request(...)`: the command goes
    on a thread-safe queue together with a concurrent Future and the handler's `RequestStream`.
-2. The step thread blocks on that queue while the engine is idle. Otherwise, before each step, it
+2. The step thread blocks on that queue while the engine is idle (after warming, one step at a
+   time between looks at the queue, any compiled bucket that has not run yet: the ones compiled in
+   the background; LLMEngine.warm_up_next). Otherwise, before each step, it
    drains every queued command (add, abort, stop), calls `add_request` / `abort_request`, and
    resolves the add's Future (a ValueError from the engine reaches the handler as a 400).
 3. It refreshes the stats snapshot (read by /metrics and the overload check; never the engine
@@ -51,6 +53,8 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+WARM_UP_POLL_S = 0.5  # while buckets compile in the background, an idle step thread looks this often for one to warm
 
 
 @dataclasses.dataclass
@@ -221,7 +225,15 @@ class AsyncLLMEngine:
         """Handles the queued commands, then runs one step if there is work. False on stop."""
         dead = self._dead_reason is not None
         busy = not dead and self.engine.has_unfinished_requests()
-        commands = [] if busy else [self._commands.get()]  # idle: block until there is work
+        # Idle: warm a bucket compiled in the background (one step, then look at the queue
+        # again), or wait for work (while buckets still compile, WARM_UP_POLL_S at a time).
+        if busy or (not dead and self._commands.empty() and self._warm_up_next()):
+            commands = []
+        else:
+            try:
+                commands = [self._commands.get(timeout=None if dead or not self._warm_up_pending() else WARM_UP_POLL_S)]
+            except queue.Empty:
+                commands = []
         while True:
             try:
                 commands.append(self._commands.get_nowait())
@@ -274,6 +286,14 @@ class AsyncLLMEngine:
         if dying:
             self._fail_dead(live)
         return True
+
+    def _warm_up_next(self) -> bool:
+        warm = getattr(self.engine, "warm_up_next", None)
+        return bool(warm and warm())
+
+    def _warm_up_pending(self) -> bool:
+        pending = getattr(self.engine, "warm_up_pending", None)
+        return bool(pending and pending())
 
     def _check_dead(self, live: set[str]) -> bool:
         """If the engine says it is dead: remember why, fail everything in flight. True if dead."""

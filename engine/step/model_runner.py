@@ -69,10 +69,11 @@ class ModelRunner:
                  background_compile: bool = False, keep_hidden: bool = False,
                  executables: dict | None = None, lora=None, lora_method: str = "masked",
                  quantization: str | None = None, activation_rows: int | None = None,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", warmup: bool = False):
         """lora: engine/lora/slots.LoRASlots, the adapters' device slots (their buffers join the
         served weights as params["lora"]; the step's products per token use `lora_method`,
-        models/lora.py); None: no adapters."""
+        models/lora.py); None: no adapters. warmup: run every bucket compiled at start-up once
+        (`warm_up`)."""
         self.model_config = model_config
         self.layer_loop = layer_loop  # engine/config.py LAYER_LOOPS
         self.shapes = shapes
@@ -136,10 +137,14 @@ class ModelRunner:
         # then the host waits for the transfer and the compute separately (None: no waiting).
         self.profile = None
         self._compile_thread: threading.Thread | None = None
+        self._ran: set[Bucket] = set()  # buckets whose executable has run (a step or a warm-up)
+        self.warmup = warmup
         if precompile and background_compile:
             self.compile_in_background(progress=progress)
         elif precompile:
             self.compile_all(progress=progress)
+        if warmup:
+            self.warm_up()
 
     @property
     def _input_sharding(self):
@@ -309,6 +314,7 @@ class ModelRunner:
                 self.params, self.kv_cache, self.table.state,
                 self._put(built.buffer), self._token_mask(bucket, built))
         host = np.asarray(jax.device_get(packed))
+        self._ran.add(bucket)
         if prof is not None:
             t4 = time.perf_counter()
         self.num_real_tokens += out.num_batched_tokens
@@ -323,6 +329,52 @@ class ModelRunner:
             prof.record_runner(bucket, build=t1 - t0, h2d=t2 - t1, device=t3 - t2, d2h=t4 - t3,
                                read=time.perf_counter() - t4)
         return result
+
+    def cold_buckets(self) -> list[Bucket]:
+        """Compiled buckets whose executable has not run yet, smallest first."""
+        compiled = list(self._compiled)  # a snapshot: the compile thread may publish meanwhile
+        order = {b: i for i, b in enumerate(self.shapes.all_buckets())}
+        return sorted((b for b in compiled if b not in self._ran), key=order.__getitem__)
+
+    def warm_up(self, buckets: list[Bucket] | None = None) -> list[Bucket]:
+        """Runs each of `buckets` (default: every cold one) once on an all-padding step, so that
+        no request pays an executable's first run: on XLA:CPU that run costs ~0.3 s more than
+        the next (the default model, every bucket but T = 1; BUILD_NOTES.md "Warm-up").
+
+        An all-padding step is what fills every bucket's unused rows anyway: tokens write K/V
+        only into the null block, logit rows sample into the request table's padding slot, no
+        request's state changes. Returns the buckets run, in order. Every process of a multi-host
+        mesh runs the same ones at start-up (same config, same order), so their collectives match."""
+        todo = self.cold_buckets() if buckets is None else [b for b in buckets if b not in self._ran]
+        empty = SchedulerOutput(step_id=-1, scheduled=[], num_batched_tokens=0, finished_req_ids=[],
+                                aborted_req_ids=[], preempted_req_ids=[])
+        for bucket in todo:
+            built = self.builder.build(empty, self._layout(bucket), self.table)
+            self.kv_cache, self.table.state, packed, *_ = self._executable(bucket)(
+                self.params, self.kv_cache, self.table.state, self._put(built.buffer),
+                self._token_mask(bucket, built))
+            packed.block_until_ready()
+            self._ran.add(bucket)
+        return todo
+
+    def warm_up_next(self) -> bool:
+        """With warmup on, runs the smallest cold bucket once (`warm_up`); True if it ran one.
+        For a server's idle moments: buckets compiled in the background get warm before a
+        request needs them. A no-op on a multi-process mesh, whose steps every process must run
+        together (multihost.py): there only the start-up warm-up runs."""
+        if not self.warm_up_pending:
+            return False
+        cold = self.cold_buckets()
+        return bool(cold and self.warm_up(cold[:1]))
+
+    @property
+    def warm_up_pending(self) -> bool:
+        """Whether warm_up_next has (or, while buckets still compile in the background, will have)
+        a bucket to run."""
+        if not self.warmup or jax.process_count() > 1:
+            return False
+        compiling = self._compile_thread is not None and self._compile_thread.is_alive()
+        return compiling or bool(self.cold_buckets())
 
     def _read_result(self, out, host, row_num_logits, row_slots, sampling, num_kept) -> StepResult:
         """The StepResult; num_kept[row] is set to the tokens each row keeps (the rng steps)."""
