@@ -348,6 +348,7 @@ class ModelRunner:
         todo = self.cold_buckets() if buckets is None else [b for b in buckets if b not in self._ran]
         empty = SchedulerOutput(step_id=-1, scheduled=[], num_batched_tokens=0, finished_req_ids=[],
                                 aborted_req_ids=[], preempted_req_ids=[])
+        start = time.perf_counter()
         for bucket in todo:
             built = self.builder.build(empty, self._layout(bucket), self.table)
             self.kv_cache, self.table.state, packed, *_ = self._executable(bucket)(
@@ -355,6 +356,9 @@ class ModelRunner:
                 self._token_mask(bucket, built))
             packed.block_until_ready()
             self._ran.add(bucket)
+        if todo:
+            logging.log(logging.INFO if buckets is None else logging.DEBUG,
+                        "jaxserve: warmed %d bucket(s) in %.1f s", len(todo), time.perf_counter() - start)
         return todo
 
     def warm_up_next(self) -> bool:
