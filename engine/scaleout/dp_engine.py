@@ -130,6 +130,12 @@ class DPEngine:
     def has_unfinished_requests(self) -> bool:
         return any(r.has_unfinished_requests() for r in self.replicas)
 
+    def warm_up_next(self) -> bool:  # one warm-up step (of the first replica with a cold bucket)
+        return any(r.warm_up_next() for r in self.replicas)
+
+    def warm_up_pending(self) -> bool:
+        return any(r.warm_up_pending() for r in self.replicas)
+
     def step(self):
         busy = [r for r in self.replicas if r.has_unfinished_requests()]
         if len(busy) <= 1:

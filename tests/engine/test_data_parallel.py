@@ -43,6 +43,8 @@ def test_replicas_sit_on_disjoint_device_groups(dp_engine):
     for replica, group in zip(dp_engine.replicas, groups):
         assert set(replica.runner.kv_cache[0].devices()) == group
         assert set(replica.runner.params["embed"].devices()) == group
+        assert replica.runner.cold_buckets() == []  # each replica warmed its buckets at start-up
+    assert not dp_engine.warm_up_pending() and not dp_engine.warm_up_next()
     with pytest.raises(ValueError, match="data_parallel_size"):
         from engine.core.llm_engine import LLMEngine
 
