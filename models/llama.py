@@ -75,7 +75,7 @@ from models.layers import (  # noqa: F401  (apply_rope, rope_inv_freq, rms_norm:
 from models.moe import grouped_product, load_callback, moe_mlp
 from models.served_layout import num_layers_of, unpack_layer
 from pallas_kernels import prepare_attention_metadata, ragged_paged_attention, write_kv
-from pallas_kernels.kv_quant import ScaledCache, fake_quantize_kv
+from pallas_kernels.kv_quant import ScaledCache, fake_quantize_kv, rotate_heads
 
 
 class _Model:
@@ -252,14 +252,19 @@ def forward_dense(params: dict, config: ModelConfig, token_ids: jax.Array,
     Causal, so trailing padding never changes the logits of the positions before it: callers jit
     it at a few padded lengths (tests do). Stacked layers run as a lax.scan (fast to compile).
     kv_cache_dtype: attend over K and V as an 8-bit cache would give them back (int8, fp8_e4m3:
-    pallas_kernels/kv_quant.py), the oracle of a paged step over that cache."""
+    pallas_kernels/kv_quant.py), in the rotated head basis forward_paged uses for such a cache
+    (kv_quant.rotate_heads), the oracle of a paged step over that cache."""
     model = _Model(config, params["embed"].dtype, lambda y: y)
     positions = jnp.arange(token_ids.shape[0], dtype=jnp.int32)
 
     def attend(q, k, v, cache, kind, index):
+        if kv_cache_dtype == "auto":
+            return dense_causal_attention(q, k, v, config.sm_scale, config.window_of(kind),
+                                          config.attn_logit_softcap), cache
+        q, k, v = rotate_heads(q), rotate_heads(k), rotate_heads(v)  # as forward_paged does
         k, v = fake_quantize_kv(k, kv_cache_dtype), fake_quantize_kv(v, kv_cache_dtype)
-        return dense_causal_attention(q, k, v, config.sm_scale, config.window_of(kind),
-                                      config.attn_logit_softcap), cache
+        return rotate_heads(dense_causal_attention(q, k, v, config.sm_scale, config.window_of(kind),
+                                                   config.attn_logit_softcap)), cache
 
     x = embed_tokens(params["embed"], token_ids, config.embed_scale)
     x, _ = model.run_layers(x, (), params, positions, attend, scan_layers=False)
@@ -334,7 +339,8 @@ def forward_paged(
     # The dtype q, k, v are rounded to: the cache's, or the model's for a uint16 (bits) cache and
     # an 8-bit one (pallas_kernels/kv_quant.py: write_kv quantizes k and v per token and kv head).
     kv_dtype = kv_cache[0].dtype
-    if kv_dtype == jnp.uint16 or isinstance(kv_cache[0], ScaledCache):
+    eight_bit = isinstance(kv_cache[0], ScaledCache)
+    if kv_dtype == jnp.uint16 or eight_bit:
         kv_dtype = params["embed"].dtype
     reduce = (lambda y: y) if tp_axis is None else (lambda y: jax.lax.psum(y, tp_axis))
     model = _Model(config, kv_dtype, reduce, tp_axis)
@@ -349,12 +355,16 @@ def forward_paged(
         group = 2 if two_groups and window is not None else 0  # its (k, v) pair in `cache`
         k_cache, v_cache = cache[group], cache[group + 1]
         index = rank_in_kind(config, index, kind) if two_groups else layer_index(index)
+        if eight_bit:  # q, k, v in the rotated head basis (kv_quant.rotate_heads), the output back
+            q, k, v = rotate_heads(q), rotate_heads(k), rotate_heads(v)
         k_cache, v_cache = write_kv(k_cache, v_cache, k, v, slots[window], layer=index,
                                     backend=attention_backend, interpret=interpret)
         attn = ragged_paged_attention(
             q, k_cache, v_cache, md[window], layer=index, sm_scale=config.sm_scale,
             sliding_window=window, soft_cap=config.attn_logit_softcap, backend=attention_backend,
             interpret=interpret)
+        if eight_bit:
+            attn = rotate_heads(attn)
         return attn, (*cache[:group], k_cache, v_cache, *cache[group + 2:])
 
     if tp_axis is None:

@@ -215,3 +215,22 @@ def test_an_8bit_cache_holds_194x_the_blocks_of_bfloat16_in_one_budget():
                                 kv_cache_bytes=512 << 20, memory_fraction=0.85, max_useful_blocks=10**9,
                                 device=jax.devices("cpu")[0], kv_cache_dtype=kv) for kv in ("auto", "int8")}
     assert 1.93 < sized["int8"] / sized["auto"] < 1.95
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 96, 80])
+def test_the_rotation_is_orthonormal_symmetric_and_its_own_inverse(head_dim):
+    """kv_quant.rotation: Hadamard blocks of the largest power of two dividing D (96: 3 of 32,
+    80: 5 of 16); rotate_heads twice gives x back, and q . k is unchanged."""
+    from pallas_kernels.kv_quant import rotate_heads, rotation
+
+    h = rotation(head_dim)
+    block = head_dim & -head_dim
+    np.testing.assert_allclose(h @ h.T, np.eye(head_dim), atol=1e-6)
+    np.testing.assert_array_equal(h, h.T)
+    assert np.count_nonzero(h) == head_dim * block and set(np.unique(np.abs(h[h != 0]))) == {np.float32(block ** -0.5)}
+    rng = np.random.default_rng(head_dim)
+    q, k = (jnp.asarray(rng.normal(size=(5, 3, head_dim)), jnp.float32) for _ in range(2))
+    np.testing.assert_allclose(rotate_heads(k), np.asarray(k) @ h, atol=1e-5)  # the transform is the matrix
+    np.testing.assert_allclose(rotate_heads(rotate_heads(k)), k, atol=1e-5)
+    np.testing.assert_allclose(jnp.sum(rotate_heads(q) * rotate_heads(k), -1), jnp.sum(q * k, -1), rtol=1e-5, atol=1e-5)
+    assert rotate_heads(q.astype(jnp.bfloat16)).dtype == jnp.bfloat16

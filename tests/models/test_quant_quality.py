@@ -16,7 +16,10 @@ every clear position. Unsmoothed (asserted as measured, BUILD_NOTES.md "Quantiza
 62 of 65 clear positions (42 of 43 on the three shortest prompts), 1.7 % / 2.6 % perplexity here
 (3.5 % on 2,048 tokens); its bounds (4 %, 6 %) guard against getting worse. fp8 weights
 (weight-only; the tables stay float, models/quant.py) meet both goals: every clear position,
-0.8 % perplexity on 512 tokens (with an fp8 tied lm_head they missed 2 of 65).
+0.8 % perplexity on 512 tokens (with an fp8 tied lm_head they missed 2 of 65). The fp8 KV cache
+(K and V held in a rotated head basis, pallas_kernels/kv_quant.py rotate_heads) is within 1 %
+and keeps 64 of 65 clear positions as served; the same rotation computed as a matrix product kept
+65, so that position sits at the line and only the perplexity is asserted.
 """
 
 import pytest
@@ -54,14 +57,18 @@ def test_int8_weights_and_int8_cache_keep_the_default_model_quality(evaluator):
 
 @pytest.mark.slow
 def test_every_configuration_on_every_prompt(evaluator):
-    results = compare(["int8-smooth", "int8", "int8-weight-only", "fp8", "kv-int8"], near_tie=NEAR_TIE,
-                      ppl_tokens=512, evaluator=evaluator)
+    results = compare(["int8-smooth", "int8", "int8-weight-only", "fp8", "kv-int8", "kv-fp8_e4m3"],
+                      near_tie=NEAR_TIE, ppl_tokens=512, evaluator=evaluator)
     print({name: (r["clear_agree"], r["perplexity_ratio"], r["kl"]) for name, r in results.items()})
     _check(results, "int8-smooth", 1.03)
     _check(results, "int8-weight-only", 1.03)
     _check(results, "kv-int8", 1.03)
     _check(results, "int8", 1.04, agreement=False)  # unsmoothed: 62 of 65 (module docstring)
     _check(results, "fp8", 1.05)
+    # The fp8 cache (K and V in the rotated basis, kv_quant.rotate_heads): 64 of 65 clear positions
+    # as served, 65 with the same rotation computed as a matrix product: at the line (module
+    # docstring), so only its perplexity is asserted.
+    _check(results, "kv-fp8_e4m3", 1.05, agreement=False)
 
 
 def test_the_engine_reports_int8_weights_at_most_027x_float32():
