@@ -10,7 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import prepare_attention_metadata, ragged_paged_attention, validation, xla, xla_forms
+from pallas_kernels import (
+    prepare_attention_metadata,
+    ragged_paged_attention,
+    validation,
+    xla,
+    xla_forms,
+)
 from tests.pallas_kernels.cases import BATCH_KEYS, Case, case_options, make_batch, oracle, tolerance
 from tests.pallas_kernels.test_xla import CASES, EDGE_CASES
 
