@@ -14,6 +14,9 @@ Scheme: for each written token t and kv head h, s = max_d |x[t, h, d]| / qmax (q
 first keeps writer and reader on the same s, so bfloat16 costs no accuracy, only range: the
 reconstruction error stays under s / 2 (int8). An all-zero row (padding) gets s = 1.
 
+The values are K and V in a rotated head basis (`rotate_heads`, applied by the model to q, k, v
+and back to the attention output): the kernels never see the difference.
+
 Why per token and kv head, not per block: a token's scale is fixed when it is written, so every
 write is one scatter of the new rows (values and scales) and no block is ever re-quantized as it
 fills; a per-block scale would have to grow with the block's largest value (re-quantizing the
@@ -160,10 +163,10 @@ def rotate_heads(x: jax.Array) -> jax.Array:
     dimensions), and a per-token scale sized for them leaves the other channels a few codes
     (int8) or, against q's matching large channels, a large error in q . k (fp8's relative
     error on the big products). Rotated, every channel carries a share of the magnitude.
-    Measured on the default model (BUILD_NOTES.md "Quantization", stop 42): an fp8 cache 64 ->
-    65 of 65 clear greedy positions, int8 x int8 weights with an int8 cache 64 -> 65 and 3.4 ->
-    2.4 % perplexity. The cache layout and the kernels do not change: they hold and read the
-    rotated K and V."""
+    Measured on the default model (BUILD_NOTES.md "Quantization", stop 42): the KL divergence
+    from float32 of an int8 cache 0.0006 -> 0.0002, of an fp8 cache 0.0036 -> 0.0029; its clear
+    greedy positions stay at the line (fp8 64 of 65 in this form, 65 as a product by the matrix).
+    The cache layout and the kernels do not change: they hold and read the rotated K and V."""
     d = x.shape[-1]
     block = d & -d
     y = x.astype(jnp.float32).reshape(*x.shape[:-1], d // block, block)
