@@ -257,14 +257,13 @@ def forward_dense(params: dict, config: ModelConfig, token_ids: jax.Array,
     model = _Model(config, params["embed"].dtype, lambda y: y)
     positions = jnp.arange(token_ids.shape[0], dtype=jnp.int32)
 
+    rotate = (lambda x: x) if kv_cache_dtype == "auto" else rotate_heads  # as forward_paged does
+
     def attend(q, k, v, cache, kind, index):
-        if kv_cache_dtype == "auto":
-            return dense_causal_attention(q, k, v, config.sm_scale, config.window_of(kind),
-                                          config.attn_logit_softcap), cache
-        q, k, v = rotate_heads(q), rotate_heads(k), rotate_heads(v)  # as forward_paged does
+        q, k, v = rotate(q), rotate(k), rotate(v)
         k, v = fake_quantize_kv(k, kv_cache_dtype), fake_quantize_kv(v, kv_cache_dtype)
-        return rotate_heads(dense_causal_attention(q, k, v, config.sm_scale, config.window_of(kind),
-                                                   config.attn_logit_softcap)), cache
+        return rotate(dense_causal_attention(q, k, v, config.sm_scale, config.window_of(kind),
+                                             config.attn_logit_softcap)), cache
 
     x = embed_tokens(params["embed"], token_ids, config.embed_scale)
     x, _ = model.run_layers(x, (), params, positions, attend, scan_layers=False)
@@ -340,6 +339,8 @@ def forward_paged(
     # an 8-bit one (pallas_kernels/kv_quant.py: write_kv quantizes k and v per token and kv head).
     kv_dtype = kv_cache[0].dtype
     eight_bit = isinstance(kv_cache[0], ScaledCache)
+    # An 8-bit cache holds K and V in a rotated head basis: q, k, v rotated, the output back.
+    rotate = rotate_heads if eight_bit else (lambda x: x)
     if kv_dtype == jnp.uint16 or eight_bit:
         kv_dtype = params["embed"].dtype
     reduce = (lambda y: y) if tp_axis is None else (lambda y: jax.lax.psum(y, tp_axis))
@@ -355,17 +356,14 @@ def forward_paged(
         group = 2 if two_groups and window is not None else 0  # its (k, v) pair in `cache`
         k_cache, v_cache = cache[group], cache[group + 1]
         index = rank_in_kind(config, index, kind) if two_groups else layer_index(index)
-        if eight_bit:  # q, k, v in the rotated head basis (kv_quant.rotate_heads), the output back
-            q, k, v = rotate_heads(q), rotate_heads(k), rotate_heads(v)
+        q, k, v = rotate(q), rotate(k), rotate(v)
         k_cache, v_cache = write_kv(k_cache, v_cache, k, v, slots[window], layer=index,
                                     backend=attention_backend, interpret=interpret)
         attn = ragged_paged_attention(
             q, k_cache, v_cache, md[window], layer=index, sm_scale=config.sm_scale,
             sliding_window=window, soft_cap=config.attn_logit_softcap, backend=attention_backend,
             interpret=interpret)
-        if eight_bit:
-            attn = rotate_heads(attn)
-        return attn, (*cache[:group], k_cache, v_cache, *cache[group + 2:])
+        return rotate(attn), (*cache[:group], k_cache, v_cache, *cache[group + 2:])
 
     if tp_axis is None:
         x = embed_tokens(params["embed"], batch.input_ids, config.embed_scale)

@@ -31,7 +31,7 @@ import time
 from engine.config import EngineConfig
 from engine.core.builder import EngineParts, build_parts, scheduler_config_for
 from engine.core.engine_stats import EngineDeadError, EngineStats
-from engine.core.request_state import RequestState, Resume, SequenceState
+from engine.core.request_state import RequestState, Resume, SequenceState, prompt_ids
 from engine.core.sequences import add_sequences
 from engine.errors import ParamError
 from engine.lora.manager import request_adapter
@@ -151,24 +151,8 @@ class LLMEngine:
 
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         """The prompt's token ids, validated; ValueError naming `prompt` otherwise."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ParamError("prompt", "prompt: must not be empty")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        elif isinstance(prompt, list | tuple):
-            ids = list(prompt)
-            vocab = self.runner.sample_vocab_size
-            for t in ids:
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                    raise ParamError("prompt", f"prompt: token id {t!r} is not an integer in [0, {vocab})")
-        else:
-            raise ParamError("prompt", f"prompt: must be a string or a list of token ids, got {type(prompt).__name__}")
-        if not ids:
-            raise ParamError("prompt", "prompt: must not be empty")
-        if len(ids) >= self.max_model_len:
-            raise ParamError("prompt", f"prompt: {len(ids)} tokens, but max_model_len is {self.max_model_len} "
-                             "(the prompt must leave room for at least one generated token)")
-        return ids
+        return prompt_ids(prompt, self.tokenizer, self.runner.sample_vocab_size, self.max_model_len,
+                          add_special_tokens)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None, **kwargs) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from engine.errors import ParamError
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.row_params import RowParams
 from engine.sampling_params import SamplingParams
@@ -198,3 +199,26 @@ class SequenceState:
                     best = n
                     break
         return best
+
+
+def prompt_ids(prompt: str | list[int], tokenizer, vocab_size: int, max_model_len: int,
+               add_special_tokens: bool = True) -> list[int]:
+    """A prompt's token ids (a string tokenized, a list checked), validated; ParamError naming
+    `prompt` otherwise."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ParamError("prompt", "prompt: must not be empty")
+        ids = tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+    elif isinstance(prompt, list | tuple):
+        ids = list(prompt)
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+                raise ParamError("prompt", f"prompt: token id {t!r} is not an integer in [0, {vocab_size})")
+    else:
+        raise ParamError("prompt", f"prompt: must be a string or a list of token ids, got {type(prompt).__name__}")
+    if not ids:
+        raise ParamError("prompt", "prompt: must not be empty")
+    if len(ids) >= max_model_len:
+        raise ParamError("prompt", f"prompt: {len(ids)} tokens, but max_model_len is {max_model_len} "
+                         "(the prompt must leave room for at least one generated token)")
+    return ids

@@ -14,7 +14,7 @@
    in one transfer, and runs the bucket's executable. The KV cache and the table state are
    donated, so each layer's new K/V and each sampled token's count are written in place.
 3. The step returns one packed float32 array (see sampler.py); one device-to-host copy
-   gives every sampled id and its logprobs, read into a StepResult: per request, a list of
+   gives every sampled id and its logprobs, read into a StepResult (step_result.py): per request, a list of
    tokens and typed logprobs (TokenLogprobs). A row that verified d drafts (speculative
    decoding, engine/spec_decode/) keeps its samples up to the first that differs from its draft,
    and reports the other positions as num_rejected_tokens; the device counted the same ones.
@@ -42,9 +42,10 @@ from engine.step.placement import Placement
 from engine.step.program import lower_bucket, make_step, serve_layout
 from engine.step.request_table import RequestTable
 from engine.step.step_inputs import BatchBuilder, StepLayout
+from engine.step.step_result import hidden_rows, read_result
 from models.config import ModelConfig
 from models.quant import QuantizedWeight
-from scheduler import SchedulerOutput, StepResult, TokenLogprobs
+from scheduler import SchedulerOutput, StepResult
 
 _compile_events = [0]
 
@@ -321,10 +322,12 @@ class ModelRunner:
         self.num_padded_tokens += bucket.padded_tokens - out.num_batched_tokens
         sampling = built.row_num_logits > 0
         num_kept = built.row_num_logits.copy()
-        result = self._read_result(out, host, built.row_num_logits, built.row_slots, sampling, num_kept)
+        result = read_result(out, host, built.row_num_logits, sampling, num_kept,
+                             num_logprobs=self.shapes.num_logprobs, verifies=self.shapes.logits_per_seq > 1,
+                             wants_logprobs=self.table.wants_logprobs_np[built.row_slots])
         self.table.commit(built.row_slots, num_kept)
         if hidden:
-            self.hidden, self.hidden_rows = hidden[0], _hidden_rows(out, built.row_num_logits, result)
+            self.hidden, self.hidden_rows = hidden[0], hidden_rows(out, built.row_num_logits, result)
         if prof is not None:
             prof.record_runner(bucket, build=t1 - t0, h2d=t2 - t1, device=t3 - t2, d2h=t4 - t3,
                                read=time.perf_counter() - t4)
@@ -366,12 +369,11 @@ class ModelRunner:
         For a server's idle moments: buckets compiled in the background get warm before a
         request needs them. A no-op on a multi-process mesh, whose steps every process must run
         together (multihost.py): there only the start-up warm-up runs."""
-        if not self.warm_up_pending:
+        if not self.warm_up_pending():
             return False
         cold = self.cold_buckets()
         return bool(cold and self.warm_up(cold[:1]))
 
-    @property
     def warm_up_pending(self) -> bool:
         """Whether warm_up_next has (or, while buckets still compile in the background, will have)
         a bucket to run."""
@@ -380,66 +382,6 @@ class ModelRunner:
         compiling = self._compile_thread is not None and self._compile_thread.is_alive()
         return compiling or bool(self.cold_buckets())
 
-    def _read_result(self, out, host, row_num_logits, row_slots, sampling, num_kept) -> StepResult:
-        """The StepResult; num_kept[row] is set to the tokens each row keeps (the rng steps)."""
-        k = self.shapes.num_logprobs
-        wants = self.table.wants_logprobs_np[row_slots]
-        ids = host[:, 0].astype(np.int64).tolist()
-        req_ids, tokens, logprobs = [], [], []
-        rejected = [] if self.shapes.logits_per_seq > 1 else None
-        any_logprobs = bool(wants[sampling].any())
-        prompt_logprobs = None
-        i = 0
-        for row, sr in enumerate(out.scheduled):
-            n = int(row_num_logits[row])
-            if not n:
-                continue
-            p = sr.num_prompt_logits
-            if p:  # prompt scoring: rows i .. i + p - 1 hold the prompt tokens' logprobs
-                if prompt_logprobs is None:
-                    prompt_logprobs = {}
-                prompt_logprobs[sr.req_id] = (sr.num_computed_tokens + 1, [
-                    TokenLogprobs(float(host[j, 1]), host[j, 2 : 2 + k].astype(np.int64).tolist(),
-                                  host[j, 2 + k :].tolist()) for j in range(i, i + p)])
-                i, n = i + p, n - p
-                num_kept[row] = n
-                if not n:
-                    continue
-            req_ids.append(sr.req_id)
-            kept = n
-            if n > 1 and rejected is not None:
-                # Verify drafts: keep samples while they equal the drafts, then the first that
-                # differs. (Without speculation a row's several logit rows are all kept.)
-                drafts = sr.token_ids[len(sr.token_ids) - n + 1 :]
-                kept = 1
-                while kept < n and ids[i + kept - 1] == drafts[kept - 1]:
-                    kept += 1
-                num_kept[row] = kept
-            tokens.append(ids[i : i + kept])
-            if rejected is not None:
-                rejected.append(n - kept)
-            if any_logprobs:
-                logprobs.append([
-                    TokenLogprobs(float(host[j, 1]), host[j, 2 : 2 + k].astype(np.int64).tolist(),
-                                  host[j, 2 + k :].tolist())
-                    for j in range(i, i + kept)] if wants[row] else None)
-            i += n
-        return StepResult(req_ids, tokens, logprobs if any_logprobs else None, rejected, prompt_logprobs)
-
-
 def _finish_compiling(stop: threading.Event, thread: threading.Thread) -> None:
     stop.set()
     thread.join(timeout=300)
-
-
-def _hidden_rows(out: SchedulerOutput, row_num_logits, result: StepResult) -> dict[str, int]:
-    """Each sampling request's hidden row: its block of logit rows ends at its last draft; the
-    row of its last kept token is that minus the drafts it rejected."""
-    rejected = dict(zip(result.req_ids, result.num_rejected_tokens or [0] * len(result.req_ids)))
-    rows, offset = {}, 0
-    for row, sr in enumerate(out.scheduled):
-        n = int(row_num_logits[row])
-        if n and sr.req_id in rejected:
-            rows[sr.req_id] = offset + n - 1 - rejected[sr.req_id]
-        offset += n
-    return rows

@@ -104,7 +104,7 @@ def pad_to_bucket(paged, bucket_tokens: int, bucket_seqs: int):
     """The batch as a bucket of (bucket_tokens, bucket_seqs) carries it: padding tokens (zeros)
     after the real ones, padded sequences with no tokens, no context and null-block tables."""
     T, S = paged["q"].shape[0], paged["seq_lens"].shape[0]
-    if bucket_tokens < T and bucket_tokens or bucket_seqs < S and bucket_seqs:
+    if 0 < bucket_tokens < T or 0 < bucket_seqs < S:
         raise ValueError(f"a bucket of ({bucket_tokens}, {bucket_seqs}) cannot hold {T} tokens of {S} sequences")
     t, s = max(0, bucket_tokens - T), max(0, bucket_seqs - S)
     qsl = paged["query_start_loc"]
