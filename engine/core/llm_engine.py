@@ -269,7 +269,8 @@ class LLMEngine:
     def warm_up_pending(self) -> bool:
         """Whether warm_up_next has, or will have once the background compilation publishes
         more buckets, one to run."""
-        return self.dead_reason is None and bool(getattr(self.runner, "warm_up_pending", False))
+        pending = getattr(self.runner, "warm_up_pending", None)
+        return self.dead_reason is None and bool(pending and pending())
 
     # -- the step -----------------------------------------------------------------------------
 

@@ -28,6 +28,7 @@ def _state(runner):
 
 def test_warm_up_runs_each_cold_bucket_once_and_no_request_state_changes(tiny_engine):
     assert tiny_engine.runner.cold_buckets() == []  # the default: warmed at start-up
+    assert not tiny_engine.warm_up_pending() and not tiny_engine.warm_up_next()
     engine = LLMEngine(EngineConfig(**TINY_KNOBS, warmup=False), progress=False)
     runner = engine.runner
     buckets = runner.shapes.all_buckets()
