@@ -8,7 +8,8 @@
 2. Memory: weight bytes = parameters x the dtype's size, or with `quantization` (int8, fp8) the
    quantized matrices at 1 byte plus a float32 scale per output row; KV bytes per token
    2 x layers x KV heads x head_dim x size, or with an 8-bit `kv_cache_dtype` (int8, fp8_e4m3)
-   head_dim bytes plus a bfloat16 scale per token and KV head (models/kv_bytes.py, the rule the
+   head_dim bytes plus a scale per token and KV head (bfloat16; on a TPU float32 in rows per page
+   padded to 128 lanes: models/kv_bytes.py, the rule the
    engine allocates by; weights: experiments/lab/capacity_bytes.py). The KV budget is
    what the engine would give the cache (engine/step/kv_cache.py): on an accelerator
    `kv_cache_memory_fraction` of the memory JAX may use (`memory_fraction` of HBM: 0.75 on a GPU,
@@ -61,7 +62,7 @@ from experiments.lab.capacity_devices import DEVICES, GB, DeviceSpec, device_fro
 from experiments.lab.capacity_report import CapacityReport, DecodePoint, format_report, plot
 from experiments.lab.device_probe import Probe, measure_device
 from models.config import ModelConfig, preset_config
-from models.kv_bytes import KV_CACHE_DTYPES, kv_bytes_per_token
+from models.kv_bytes import KV_CACHE_DTYPES, kv_bytes_per_token, scale_layout_for
 from scheduler.sliding_window import window_blocks
 
 # The engine's own defaults for the cache (block size, memory fraction, the CPU byte budget).
@@ -106,12 +107,20 @@ def matmul_params(config: ModelConfig) -> int:
     return config.num_params - untied_embedding
 
 
+def _kv_per_token(config: ModelConfig, itemsize: int, kv_cache_dtype: str, device: DeviceSpec, block_size: int,
+                  tensor_parallel_size: int) -> int:
+    """models/kv_bytes.py's bytes per token, an 8-bit cache's scales in the device's layout."""
+    return kv_bytes_per_token(config, itemsize, kv_cache_dtype, scale_layout=scale_layout_for(device.kind),
+                              block_size=block_size, shards=tensor_parallel_size)
+
+
 def decode_step(config: ModelConfig, device: DeviceSpec, itemsize: int, batch: int,
                 context_len: float, tensor_parallel_size: int = 1, quantization: str | None = None,
-                kv_cache_dtype: str = "auto") -> DecodePoint:
+                kv_cache_dtype: str = "auto", block_size: int = ENGINE_DEFAULTS["block_size"]) -> DecodePoint:
     """One decode step of `batch` requests that each attend over `context_len` tokens."""
     weights = weight_bytes(config, itemsize, quantization) - untied_embedding_bytes(config, itemsize, quantization)
-    kv = batch * context_len * kv_bytes_per_token(config, itemsize, kv_cache_dtype)
+    kv = batch * context_len * _kv_per_token(config, itemsize, kv_cache_dtype, device, block_size,
+                                             tensor_parallel_size)
     attention_flops = 4 * config.num_layers * config.num_heads * config.head_dim * context_len
     flops = batch * (2 * matmul_params(config) + attention_flops)
     memory_s = (weights + kv) / (tensor_parallel_size * device.bandwidth)
@@ -122,12 +131,13 @@ def decode_step(config: ModelConfig, device: DeviceSpec, itemsize: int, batch: i
 
 def crossover_batch(config: ModelConfig, device: DeviceSpec, itemsize: int,
                     context_len: float, quantization: str | None = None,
-                    kv_cache_dtype: str = "auto") -> float | None:
+                    kv_cache_dtype: str = "auto", block_size: int = ENGINE_DEFAULTS["block_size"]) -> float | None:
     """The batch where compute time overtakes memory time (tensor parallelism cancels out);
     None when KV reads grow at least as fast as flops, so decode never becomes compute-bound."""
     one = decode_step(config, device, itemsize, 1, context_len, quantization=quantization,
-                      kv_cache_dtype=kv_cache_dtype)
-    weights_s = one.memory_s - context_len * kv_bytes_per_token(config, itemsize, kv_cache_dtype) / device.bandwidth
+                      kv_cache_dtype=kv_cache_dtype, block_size=block_size)
+    kv = _kv_per_token(config, itemsize, kv_cache_dtype, device, block_size, 1)
+    weights_s = one.memory_s - context_len * kv / device.bandwidth
     kv_s_per_request = one.memory_s - weights_s
     slope = one.compute_s - kv_s_per_request
     return weights_s / slope if slope > 0 else None
@@ -138,13 +148,16 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 def kv_bytes_held(config: ModelConfig, num_tokens: int, itemsize: int, block_size: int,
-                  sliding_groups: bool = True, kv_cache_dtype: str = "auto") -> int:
+                  sliding_groups: bool = True, kv_cache_dtype: str = "auto", scale_layout: str = "token",
+                  shards: int = 1) -> int:
     """KV bytes one request of num_tokens holds between steps: every layer's blocks with one group;
     with a group per layer kind (sliding_groups, a model mixing windows) the sliding layers hold
     only the blocks their window reads (scheduler/sliding_window.window_blocks). An 8-bit cache
-    counts its values and scales (kv_bytes_per_token)."""
+    counts its values and scales (kv_bytes_per_token, the scales in `scale_layout`)."""
     blocks = blocks_for(num_tokens, block_size)
-    per_layer_block = block_size * kv_bytes_per_token(config, itemsize, kv_cache_dtype) // config.num_layers
+    per_token = kv_bytes_per_token(config, itemsize, kv_cache_dtype, scale_layout=scale_layout,
+                                   block_size=block_size, shards=shards)
+    per_layer_block = block_size * per_token // config.num_layers
     if not (sliding_groups and config.has_sliding_layers):
         return blocks * config.num_layers * per_layer_block
     held = min(blocks, window_blocks(config.sliding_window, block_size))
@@ -207,7 +220,7 @@ def capacity(model: str | ModelConfig, device: str | DeviceSpec = "h200", *, dty
     if prompt_len < 1 or output_len < 1:
         raise ValueError(f"prompt_len and output_len must be >= 1, got {prompt_len}, {output_len}")
     weights = weight_bytes(config, itemsize, quantization)
-    kvb = kv_bytes_per_token(config, itemsize, kv_cache_dtype)
+    kvb = _kv_per_token(config, itemsize, kv_cache_dtype, spec, block_size, tensor_parallel_size)
     budget = kv_budget_bytes(spec, weights, tensor_parallel_size, kv_cache_memory_fraction,
                              kv_cache_bytes)
     num_blocks = max(0, int(budget // (block_size * kvb)))
@@ -215,17 +228,19 @@ def capacity(model: str | ModelConfig, device: str | DeviceSpec = "h200", *, dty
     fit_paged = fit_one_group = requests_that_fit(num_blocks, [total], block_size, max_model_len, "paged")
     if config.has_sliding_layers:  # sliding accounting: the sliding layers hold their window only
         fit_paged = int(budget // kv_bytes_held(config, min(total, max_model_len), itemsize, block_size,
-                                                kv_cache_dtype=kv_cache_dtype))
+                                                kv_cache_dtype=kv_cache_dtype, scale_layout=scale_layout_for(spec.kind),
+                                                shards=tensor_parallel_size))
     fit_contiguous = requests_that_fit(num_blocks, [total], block_size, max_model_len, "contiguous")
     context_len = prompt_len + output_len / 2
     quant = dict(quantization=quantization, kv_cache_dtype=kv_cache_dtype)
-    cross = crossover_batch(config, spec, itemsize, context_len, **quant)
+    cross = crossover_batch(config, spec, itemsize, context_len, block_size=block_size, **quant)
     if batches is None:
         top = max(fit_paged, 1, 2 * math.ceil(cross) if cross else 1)
         batches = [2**i for i in range(int(math.log2(min(top, 4096))) + 1)]
         if fit_paged > batches[-1] and fit_paged <= 4096:
             batches.append(fit_paged)
-    decode = [decode_step(config, spec, itemsize, b, context_len, tensor_parallel_size, **quant)
+    decode = [decode_step(config, spec, itemsize, b, context_len, tensor_parallel_size, block_size=block_size,
+                          **quant)
               for b in sorted(set(batches))]
     slo_batch = None
     if slo_itl_ms is not None:
@@ -239,7 +254,8 @@ def capacity(model: str | ModelConfig, device: str | DeviceSpec = "h200", *, dty
         kv_cache_memory_fraction=kv_cache_memory_fraction, num_blocks=num_blocks,
         fit_paged=fit_paged, fit_contiguous=fit_contiguous, context_len=context_len,
         fit_paged_one_group=fit_one_group,
-        crossover_batch=cross, crossover_batch_no_kv=crossover_batch(config, spec, itemsize, 0, **quant),
+        crossover_batch=cross,
+        crossover_batch_no_kv=crossover_batch(config, spec, itemsize, 0, block_size=block_size, **quant),
         decode=decode, slo_itl_ms=slo_itl_ms, slo_batch=slo_batch, **quant)
 
 

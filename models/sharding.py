@@ -81,12 +81,15 @@ LLAMA_RULES: dict[str, P] = {
 }
 KV_CACHE_SPEC = P(None, None, None, MODEL_AXIS, None)  # [L, num_blocks, block_size, Hkv, D]
 KV_SCALES_SPEC = P(None, None, None, MODEL_AXIS)  # an 8-bit cache's scales [L, num_blocks, block_size, Hkv]
+KV_PAGE_SCALES_SPEC = P(None, None, MODEL_AXIS)  # the TPU's page layout [L, num_blocks, W]: a piece per shard
 
 
 def kv_cache_specs(kv_cache: tuple) -> tuple:
     """The specs of a (k_cache, v_cache) pair: split on KV heads, an 8-bit cache's values and
-    scales alike (pallas_kernels/kv_quant.py ScaledCache)."""
-    return tuple(dataclasses.replace(c, values=KV_CACHE_SPEC, scales=KV_SCALES_SPEC)
+    scales alike (pallas_kernels/kv_quant.py ScaledCache: the page layout's rows in one piece per
+    shard, each its heads' scales)."""
+    scales = {"token": KV_SCALES_SPEC, "page": KV_PAGE_SCALES_SPEC}
+    return tuple(dataclasses.replace(c, values=KV_CACHE_SPEC, scales=scales[c.layout])
                  if isinstance(c, ScaledCache) else KV_CACHE_SPEC for c in kv_cache)
 
 

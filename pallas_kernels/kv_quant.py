@@ -31,10 +31,21 @@ writes them with a Mosaic kernel (tpu_kv_write.py). The Pallas attention kernels
 `values_to_float32` and `scales_to_float32`: integer and float32 operations and same-width
 bitcasts only, so no target needs an fp8 type (Triton's float8_e4m3fn conversion aborts the
 compiler below sm_89): e4m3 is decoded from its bits.
-On a TPU this scale layout is not lane-dense: Mosaic tiles (block_size, Hkv) as (8, 128), so XLA
-keeps the scale arrays in a layout of its own and copies them into the kernels' (Hkv padded to
-128 lanes) at each step's entry and back at its exit (BUILD_NOTES.md "Quantization": measured
-with experiments.aot, and the 32-bit row-per-page layout that would avoid it).
+Scale layouts (`ScaledCache.layout`, SCALE_LAYOUTS; chosen by the attention backend, `scale_layout`):
+  "token"  the scales above, one uint16 row of Hkv per token: what the xla and pallas_gpu paths
+           gather with the values' rows.
+  "page"   pallas_tpu: scales [L, num_blocks, W] uint32 (float32 bits of the same bfloat16-rounded
+           scale, so the numbers are the token layout's), one lane-dense row per page. A row holds
+           `shards` pieces (one per device of a mesh splitting the kv heads), each its heads'
+           scales head-major (lane h * block_size + t for kv head h and token t of the page)
+           padded to a multiple of 128 lanes (`page_scale_width`); a mesh splits W into those
+           pieces. Why: Mosaic tiles the token layout's minor dims (block_size, Hkv) as (8, 128)
+           (16-bit: (16, 128)), so XLA kept the scale arrays in a layout of its own and copied
+           them, Hkv padded to 128 lanes, into the kernels' at every step's entry and back at its
+           exit (`experiments.aot --target=v5e-1 --model=random:llama3-8b --kv_cache_dtype=int8`:
+           261 MiB of temporaries against 16 MiB for a bfloat16 cache); and a DMA cannot move
+           one row of a packed 16-bit tile. A 32-bit row per page is one DMA, and XLA keeps the
+           kernels' layout for it (BUILD_NOTES.md "Quantization").
 """
 
 from __future__ import annotations
@@ -52,6 +63,23 @@ import numpy as np
 EIGHT_BIT_FORMATS = ("int8", "fp8_e4m3")
 _QMAX = {"int8": 127.0, "fp8_e4m3": 448.0}
 _STORED = {"int8": jnp.int8, "fp8_e4m3": jnp.uint8}
+SCALE_LAYOUTS = ("token", "page")
+_SCALE_STORED = {"token": jnp.uint16, "page": jnp.uint32}
+LANES = 128  # a TPU vector register's lanes: the page layout's rows are a multiple of this
+
+
+def scale_layout(backend: str) -> str:
+    """The scale layout an attention backend reads: "page" for pallas_tpu, else "token"."""
+    return "page" if backend == "pallas_tpu" else "token"
+
+
+def page_scale_width(block_size: int, num_kv_heads: int, shards: int = 1) -> int:
+    """W, the lanes of one page's scale row in the "page" layout: per shard of the kv heads, its
+    heads' block_size scales each, padded to a multiple of LANES."""
+    if shards < 1 or num_kv_heads % shards:
+        raise ValueError(f"page scales: {num_kv_heads} kv heads do not split into {shards} shards")
+    local = num_kv_heads // shards * block_size
+    return shards * (-(-local // LANES) * LANES)
 
 
 @jax.tree_util.register_dataclass
@@ -60,8 +88,10 @@ class ScaledCache:
     """One of K or V of an 8-bit cache: values and their per-(token, kv head) scales."""
 
     values: jax.Array  # int8 | uint8 (e4m3 bits) [L, num_blocks, block_size, Hkv, D]
-    scales: jax.Array  # uint16 (bfloat16 bits) [L, num_blocks, block_size, Hkv]
+    scales: jax.Array  # "token": uint16 (bfloat16 bits) [L, num_blocks, block_size, Hkv];
+    #                    "page": uint32 (float32 bits) [L, num_blocks, W]
     kv_cache_dtype: str = dataclasses.field(metadata=dict(static=True), default="int8")
+    layout: str = dataclasses.field(metadata=dict(static=True), default="token")
 
     @property
     def shape(self):
@@ -85,13 +115,21 @@ def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
         raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(EIGHT_BIT_FORMATS)}; got {kv_cache_dtype!r}")
 
 
-def allocate_scaled(shape: tuple[int, ...], kv_cache_dtype: str) -> ScaledCache:
-    """A zeroed ScaledCache of values shape [L, num_blocks, block_size, Hkv, D]."""
+def allocate_scaled(shape: tuple[int, ...], kv_cache_dtype: str, layout: str = "token",
+                    shards: int = 1) -> ScaledCache:
+    """A zeroed ScaledCache of values shape [L, num_blocks, block_size, Hkv, D] (or one layer's
+    [num_blocks, block_size, Hkv, D]); layout "page" with its rows in `shards` pieces."""
     check_kv_cache_dtype(kv_cache_dtype)
     if kv_cache_dtype == "auto":
         raise ValueError("allocate_scaled makes an 8-bit cache; kv_cache_dtype 'auto' is the float cache")
-    return ScaledCache(jnp.zeros(shape, _STORED[kv_cache_dtype]), jnp.zeros(shape[:-1], jnp.uint16),
-                       kv_cache_dtype)
+    if layout not in SCALE_LAYOUTS:
+        raise ValueError(f"scale layout must be one of {SCALE_LAYOUTS}; got {layout!r}")
+    scale_shape = shape[:-1]
+    if layout == "page":
+        *lead, block_size, num_kv_heads, _ = shape
+        scale_shape = (*lead, page_scale_width(block_size, num_kv_heads, shards))
+    return ScaledCache(jnp.zeros(shape, _STORED[kv_cache_dtype]), jnp.zeros(scale_shape, _SCALE_STORED[layout]),
+                       kv_cache_dtype, layout)
 
 
 def quantize_kv(x: jax.Array, kv_cache_dtype: str) -> tuple[jax.Array, jax.Array]:
@@ -117,9 +155,51 @@ def dequantize_kv(values: jax.Array, scale_bits: jax.Array, kv_cache_dtype: str)
 
 
 def scales_to_float32(scale_bits: jax.Array) -> jax.Array:
-    """Scale bits (uint16 holding bfloat16) -> float32: a same-width bitcast, then a widening
-    (exact; also inside the Pallas kernels)."""
+    """Scale bits -> float32, exactly (also inside the Pallas kernels): uint16 holding bfloat16
+    (the token layout) by a same-width bitcast and a widening, uint32 holding float32 (the page
+    layout) by a bitcast."""
+    if scale_bits.dtype == jnp.uint32:
+        return jax.lax.bitcast_convert_type(scale_bits, jnp.float32)
     return jax.lax.bitcast_convert_type(scale_bits, jnp.bfloat16).astype(jnp.float32)
+
+
+def page_bits(scale_bits: jax.Array) -> jax.Array:
+    """Token-layout scale bits (uint16, bfloat16) -> the page layout's (uint32, float32 bits of
+    the same number: bfloat16 is float32's upper half)."""
+    return jax.lax.shift_left(scale_bits.astype(jnp.uint32), jnp.uint32(16))
+
+
+def page_lanes(block_size: int, num_kv_heads: int, width: int) -> np.ndarray:
+    """int32[width]: for each lane of a page's scale row (one shard's piece, `width` lanes, its
+    num_kv_heads heads), the token within the page whose scale it holds, or -1 (padding); the
+    lane of (kv head h, token t) is h * block_size + t."""
+    lanes = np.arange(width)
+    return np.where(lanes < num_kv_heads * block_size, lanes % block_size, -1).astype(np.int32)
+
+
+def as_page_layout(c: ScaledCache, shards: int = 1) -> ScaledCache:
+    """A token-layout ScaledCache with its scales moved into the page layout (the same numbers;
+    values shared): `shards` pieces per row, each its heads' scales head-major, padded."""
+    if c.layout != "token":
+        raise ValueError(f"as_page_layout takes a token-layout cache; got {c.layout!r}")
+    *lead, block_size, num_kv_heads = c.scales.shape
+    width = page_scale_width(block_size, num_kv_heads, shards)
+    local = num_kv_heads // shards
+    tokens = page_bits(c.scales).reshape(*lead, block_size, shards, local)
+    pieces = jnp.moveaxis(tokens, -3, -1).reshape(*lead, shards, local * block_size)  # [..., shard, head * token]
+    pad = [(0, 0)] * (len(lead) + 1) + [(0, width // shards - local * block_size)]
+    return ScaledCache(c.values, jnp.pad(pieces, pad).reshape(*lead, width), c.kv_cache_dtype, "page")
+
+
+def page_scales_as_tokens(scales: jax.Array, block_size: int, num_kv_heads: int, shards: int = 1) -> jax.Array:
+    """Page-layout scales [..., W] -> the token layout's [..., block_size, Hkv] bits (uint16):
+    the reference the TPU kernels are tested against."""
+    *lead, width = scales.shape
+    local = num_kv_heads // shards
+    pieces = scales.reshape(*lead, shards, width // shards)[..., : local * block_size]
+    per_head = pieces.reshape(*lead, shards, local, block_size)  # [..., shard, head, token]
+    tokens = jnp.moveaxis(per_head, -1, -3).reshape(*lead, block_size, num_kv_heads)
+    return jax.lax.shift_right_logical(tokens, jnp.uint32(16)).astype(jnp.uint16)
 
 
 def values_to_float32(values: jax.Array, kv_cache_dtype: str) -> jax.Array:
@@ -188,29 +268,50 @@ def fake_quantize_kv(x: jax.Array, kv_cache_dtype: str) -> jax.Array:
     return dequantize_kv(*quantize_kv(x, kv_cache_dtype), kv_cache_dtype)
 
 
-def split_cache(k_cache, v_cache):
-    """(k, v, scales, kv_cache_dtype) for a kernel: an 8-bit cache's values, its (k, v) scale
-    arrays and its dtype (checked: check_scaled_pair); a float cache as it is, (), None."""
+def split_cache(k_cache, v_cache, layout: str = "token"):
+    """(k, v, scales, kv_cache_dtype) for a kernel that reads scale `layout`: an 8-bit cache's
+    values, its (k, v) scale arrays and its dtype (checked: check_scaled_pair; another layout is
+    a ValueError naming both); a float cache as it is, (), None."""
     if isinstance(k_cache, ScaledCache) or isinstance(v_cache, ScaledCache):
-        check_scaled_pair(k_cache, v_cache)
+        check_scaled_pair(k_cache, v_cache, layout)
         return k_cache.values, v_cache.values, (k_cache.scales, v_cache.scales), k_cache.kv_cache_dtype
     return k_cache, v_cache, (), None
 
 
-def check_scaled_pair(k_cache: ScaledCache, v_cache: ScaledCache) -> None:
-    """Both halves of one 8-bit cache, with matching values and scales."""
+def check_scaled_pair(k_cache: ScaledCache, v_cache: ScaledCache, layout: str | None = None) -> None:
+    """Both halves of one 8-bit cache, with matching values and scales (in `layout`, when given:
+    the one the reading backend implements)."""
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(c, ScaledCache):
             raise ValueError(f"an 8-bit cache is a ScaledCache for K and for V; {name} is {type(c).__name__}")
+        if c.layout not in SCALE_LAYOUTS or (layout is not None and c.layout != layout):
+            raise ValueError(f"{name}: this backend reads the {layout!r} scale layout (kv_quant.scale_layout); "
+                             f"got a cache in {c.layout!r}")
         want = _STORED.get(c.kv_cache_dtype)
-        if want is None or c.values.dtype != want or c.scales.dtype != jnp.uint16:
-            raise ValueError(f"{name}: kv_cache_dtype {c.kv_cache_dtype!r} stores values "
-                             f"{jnp.dtype(want).name if want else '?'} and uint16 scales; got values "
-                             f"{c.values.dtype}, scales {c.scales.dtype}")
-        if tuple(c.scales.shape) != tuple(c.values.shape[:-1]):
+        want_scales = _SCALE_STORED[c.layout]
+        if want is None or c.values.dtype != want or c.scales.dtype != want_scales:
+            raise ValueError(f"{name}: kv_cache_dtype {c.kv_cache_dtype!r} in the {c.layout!r} layout stores "
+                             f"values {jnp.dtype(want).name if want else '?'} and {jnp.dtype(want_scales).name} "
+                             f"scales; got values {c.values.dtype}, scales {c.scales.dtype}")
+        _check_scale_shape(name, c)
+    if (k_cache.kv_cache_dtype != v_cache.kv_cache_dtype or k_cache.layout != v_cache.layout
+            or tuple(k_cache.values.shape) != tuple(v_cache.values.shape)
+            or tuple(k_cache.scales.shape) != tuple(v_cache.scales.shape)):
+        raise ValueError(f"k_cache and v_cache must match: {k_cache.kv_cache_dtype} {k_cache.layout} "
+                         f"{tuple(k_cache.values.shape)} vs {v_cache.kv_cache_dtype} {v_cache.layout} "
+                         f"{tuple(v_cache.values.shape)}")
+
+
+def _check_scale_shape(name: str, c: ScaledCache) -> None:
+    values, scales = tuple(c.values.shape), tuple(c.scales.shape)
+    if c.layout == "token":
+        if scales != values[:-1]:
             raise ValueError(f"{name}: scales must be values' shape without head_dim; got values"
-                             f"{tuple(c.values.shape)}, scales{tuple(c.scales.shape)}")
-    if (k_cache.kv_cache_dtype != v_cache.kv_cache_dtype
-            or tuple(k_cache.values.shape) != tuple(v_cache.values.shape)):
-        raise ValueError(f"k_cache and v_cache must match: {k_cache.kv_cache_dtype} "
-                         f"{tuple(k_cache.values.shape)} vs {v_cache.kv_cache_dtype} {tuple(v_cache.values.shape)}")
+                             f"{values}, scales{scales}")
+        return
+    block_size, num_kv_heads = values[-3], values[-2]
+    if (scales[:-1] != values[:-3] or scales[-1] % LANES
+            or scales[-1] < page_scale_width(block_size, num_kv_heads)):
+        raise ValueError(f"{name}: page-layout scales must be values' [..., num_blocks] plus a row of a "
+                         f"multiple of {LANES} lanes holding block_size x Hkv scales; got values{values}, "
+                         f"scales{scales}")

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import validation
-from pallas_kernels.kv_quant import ScaledCache, check_scaled_pair, quantize_kv
+from pallas_kernels.kv_quant import ScaledCache, check_scaled_pair, quantize_kv, scale_layout
 
 _BITS = {2: jnp.uint16}
 _BACKENDS = ("xla", "pallas_tpu", "pallas_gpu")
@@ -65,7 +65,7 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping, layer=None, *, backend="xla",
         raise ValueError(f"write_kv backend must be one of {sorted(_BACKENDS)}; got {backend!r}")
     scaled = isinstance(k_cache, ScaledCache) or isinstance(v_cache, ScaledCache)
     if scaled:  # an 8-bit cache (kv_quant.py): values and scales, both scattered here
-        check_scaled_pair(k_cache, v_cache)
+        check_scaled_pair(k_cache, v_cache, scale_layout(backend))
         k, v, slot_mapping = map(jnp.asarray, (k, v, slot_mapping))
         cache = validation.check_cache(k_cache.values, v_cache.values, layer, eight_bit=True)
     else:
@@ -125,4 +125,5 @@ def _scatter_scaled(c: ScaledCache, x, rows, flat_shape) -> ScaledCache:
     values, scales = quantize_kv(x, c.kv_cache_dtype)
     new_values = c.values.reshape(flat_shape).at[rows].set(values, mode="drop")
     new_scales = c.scales.reshape(flat_shape[:-1]).at[rows].set(scales, mode="drop")
-    return ScaledCache(new_values.reshape(c.values.shape), new_scales.reshape(c.scales.shape), c.kv_cache_dtype)
+    return ScaledCache(new_values.reshape(c.values.shape), new_scales.reshape(c.scales.shape), c.kv_cache_dtype,
+                       c.layout)

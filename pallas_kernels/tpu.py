@@ -9,9 +9,10 @@ Layout
             the HBM ref indexed in place at [layer, page]: no layer is sliced or copied out.
   out       [NB, Hkv, R, D], gathered back to [T, Hq, D] in XLA.
   An 8-bit cache (kv_quant.ScaledCache): the values as above (int8, or uint8 holding e4m3 bits)
-            plus scale arrays [L, num_blocks, block_size, Hkv] (uint16: bfloat16 bits), also in
-            HBM; each page's scales [block_size, Hkv] are copied beside its values, and a kv
-            head's K and V are dequantized in VMEM before the two dots.
+            plus scale arrays in the page layout (kv_quant.py "Scale layouts"), [L, num_blocks, W]
+            uint32 (float32 bits), also in HBM: one lane-dense row per page, copied beside the
+            page's values (one DMA), and a kv head's K and V are dequantized in VMEM before the
+            two dots.
   Scalar prefetch (SMEM): the layer (int32[1]: a Python int or a traced scalar, e.g. the index
   of a lax.scan over layers), then from AttentionMetadata (prepared once per step by
   `prepare_tpu`): block tables flattened to [S * max_blocks_per_seq], and per query block its
@@ -24,8 +25,8 @@ Walkthrough (grid = (NB,), one query block per step; "parallel": steps are indep
      for each kv head: scores [R, block_size] = q . k^T * sm_scale (float32), soft cap, mask
      (causal by position, window, never past the block's last real position), update m, l, acc.
      With an 8-bit cache, K and V of the head are first decoded to float32 (kv_quant
-     values_to_float32), times their per-token scale (a [block_size, 1] column of the scale
-     page), in q's dtype.
+     values_to_float32), times their per-token scale (the head's block_size lanes of the page's
+     scale row, turned into a [block_size, 1] column by a masked lane sum), in q's dtype.
   4. Write acc / l (zero where a row saw nothing: padding blocks run no page at all).
 """
 
@@ -63,11 +64,11 @@ def _tpu_kernel(
     *refs,  # the inputs, output and scratch below (an 8-bit cache adds its scale arrays)
     #   k_hbm     HBM [L, num_blocks, block_size, Hkv, D] all layers' K pages
     #   v_hbm     HBM [L, num_blocks, block_size, Hkv, D] all layers' V pages
-    #   (8-bit)   ks_hbm, vs_hbm HBM uint16 [L, num_blocks, block_size, Hkv] their scales
+    #   (8-bit)   ks_hbm, vs_hbm HBM uint32 [L, num_blocks, W] their scale rows (page layout)
     #   o_ref     VMEM [Hkv, R, D] (output)
     #   k_buf     VMEM [2, block_size, Hkv, D] double-buffered K page ([2, 1, block_size, D]: heads_major)
     #   v_buf     VMEM [2, block_size, Hkv, D] double-buffered V page
-    #   (8-bit)   ks_buf, vs_buf VMEM uint16 [2, block_size, Hkv] their scale pages
+    #   (8-bit)   ks_buf, vs_buf VMEM uint32 [2, 1, W] their pages' scale rows
     #   sems      DMA semaphores [2 (K, V) or 4 (K, V, K scales, V scales), 2 (slot)]
     #   m_scr     VMEM f32[Hkv, R, 1] running max
     #   l_scr     VMEM f32[Hkv, R, 1] running sum
@@ -100,7 +101,9 @@ def _tpu_kernel(
 
     def page_copies(j, slot):
         page = tables_ref[seq * max_blocks_per_seq + j]
-        return [pltpu.make_async_copy(hbm.at[layer, page], buf.at[slot], sems.at[i, slot])
+        # A page of values is [block_size, Hkv, D]; a page's scales one row [1, W] of a 2-D plane.
+        at = lambda hbm: hbm.at[layer, page] if hbm.ndim == 5 else hbm.at[layer, pl.ds(page, 1)]  # noqa: E731
+        return [pltpu.make_async_copy(at(hbm), buf.at[slot], sems.at[i, slot])
                 for i, (hbm, buf) in enumerate(pages)]
 
     @pl.when(lo < hi)
@@ -129,15 +132,15 @@ def _tpu_kernel(
         mask = (x * group <= row) & (kv_pos < kv_end)
         if sliding_window is not None:
             mask &= (x + sliding_window) * group > row
-        if kv_cache_dtype is not None:  # this page's scales, float32 [block_size, Hkv]
+        if kv_cache_dtype is not None:  # this page's scale rows, float32 [1, W]
             k_scales, v_scales = (kv_quant.scales_to_float32(buf[slot]) for buf in (ks_buf, vs_buf))
         for h in range(num_kv_heads):
             q = q_ref[h]  # [R, D]
             k = k_buf[slot, h] if heads_major else k_buf[slot, :, h, :]  # [block_size, D]
             v = v_buf[slot, h] if heads_major else v_buf[slot, :, h, :]  # [block_size, D]
             if kv_cache_dtype is not None:
-                k = _dequantize(k, k_scales, h, kv_cache_dtype, q.dtype)
-                v = _dequantize(v, v_scales, h, kv_cache_dtype, q.dtype)
+                k = _dequantize(k, k_scales, h, block_size, kv_cache_dtype, q.dtype)
+                v = _dequantize(v, v_scales, h, block_size, kv_cache_dtype, q.dtype)
             s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
             s = s * sm_scale  # [R, block_size]
             if soft_cap is not None:
@@ -160,14 +163,16 @@ def _tpu_kernel(
     o_ref[...] = (acc_scr[...] / jnp.where(denom == 0.0, 1.0, denom)).astype(o_ref.dtype)
 
 
-def _dequantize(values, scales, head, kv_cache_dtype, dtype):
-    """One kv head's 8-bit page values [block_size, D] times their scales (column `head` of the
-    page's float32 scales [block_size, Hkv], taken by a masked lane sum) -> [block_size, D] dtype."""
-    if scales.shape[1] == 1:
-        column = scales
-    else:
-        lane = lax.broadcasted_iota(jnp.int32, scales.shape, 1)
-        column = jnp.sum(jnp.where(lane == head, scales, 0.0), axis=1, keepdims=True)  # [block_size, 1]
+def _dequantize(values, scale_row, head, block_size, kv_cache_dtype, dtype):
+    """One kv head's 8-bit page values [block_size, D] times their scales -> [block_size, D] dtype.
+    scale_row: the page's float32 scale row [1, W], kv head h's at lanes h * block_size + t; token
+    t's is put in row t of a column by a masked lane sum over [block_size, W] (no lane slice at an
+    unaligned offset, no transpose)."""
+    shape = (block_size, scale_row.shape[1])
+    lane = lax.broadcasted_iota(jnp.int32, shape, 1)
+    token = lax.broadcasted_iota(jnp.int32, shape, 0)
+    picked = jnp.where(lane == token + head * block_size, jnp.broadcast_to(scale_row, shape), 0.0)
+    column = jnp.sum(picked, axis=1, keepdims=True)  # [block_size, 1]
     return (kv_quant.values_to_float32(values, kv_cache_dtype) * column).astype(dtype)
 
 
@@ -188,7 +193,7 @@ def vmem_bytes(num_kv_heads, rows, head_dim, block_size, q_dtype, cache_dtype, s
     q_block = _tile_bytes((num_kv_heads, rows, head_dim), q_dtype)
     pages = _tile_bytes(page_buffer_shape(num_kv_heads, block_size, head_dim), cache_dtype)
     if scaled:
-        pages += _tile_bytes((2, block_size, num_kv_heads), jnp.uint16)
+        pages += _tile_bytes((2, 1, kv_quant.page_scale_width(block_size, num_kv_heads)), jnp.uint32)
     stats = _tile_bytes((num_kv_heads, rows, 1), jnp.float32)
     acc = _tile_bytes((num_kv_heads, rows, head_dim), jnp.float32)
     temps = 8 * _tile_bytes((rows, block_size), jnp.float32)
@@ -244,7 +249,7 @@ def _tpu_pallas_call(scalars, q_blocks, k_cache, v_cache, scales=(), *, interpre
 
     k_cache, v_cache [L, num_blocks, block_size, Hkv, D], left in HBM (as `kernel_view`); an
     8-bit cache (kv_cache_dtype) passes its values there and scales = (k_scales, v_scales)
-    [L, num_blocks, block_size, Hkv] uint16.
+    [L, num_blocks, W] uint32 (the page layout).
     """
     nb, num_kv_heads, rows, head_dim = q_blocks.shape
     block_size = k_cache.shape[2]
@@ -253,7 +258,7 @@ def _tpu_pallas_call(scalars, q_blocks, k_cache, v_cache, scales=(), *, interpre
     limit = vmem_limit(num_kv_heads, rows, head_dim, block_size, q_blocks.dtype, k_cache.dtype,
                        scaled=bool(scales))
     block = pl.BlockSpec((None, num_kv_heads, rows, head_dim), lambda b, *_: (b, 0, 0, 0))
-    scale_pages = [pltpu.VMEM((2, block_size, num_kv_heads), s.dtype) for s in scales]
+    scale_pages = [pltpu.VMEM((2, 1, s.shape[-1]), s.dtype) for s in scales]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(scalars),
         grid=(nb,),
@@ -328,14 +333,15 @@ def ragged_paged_attention_tpu(
 
     k_cache, v_cache: [L, num_blocks, block_size, Hkv, D] with layer a Python int or a traced
     int32 scalar in [0, L), or [num_blocks, block_size, Hkv, D] with layer=None; or an 8-bit
-    cache, a kv_quant.ScaledCache each (values of those shapes, scales without D).
+    cache, a kv_quant.ScaledCache each in the "page" scale layout (values of those shapes, scales
+    [L, num_blocks, W] or [num_blocks, W]; another layout is a ValueError).
     interpret=True runs TPU interpret mode (pltpu.InterpretParams(), which simulates HBM, VMEM,
     DMAs and semaphores on the CPU); pass an InterpretParams to choose its checks.
     """
-    k_cache, v_cache, scales, kv_cache_dtype = kv_quant.split_cache(k_cache, v_cache)
+    k_cache, v_cache, scales, kv_cache_dtype = kv_quant.split_cache(k_cache, v_cache, "page")
     cache = validation.check_layer_inputs(q, k_cache, v_cache, md, layer, "pallas_tpu",
                                           eight_bit=kv_cache_dtype is not None)
-    scales = tuple(jnp.reshape(s, cache.stacked_shape[:-1]) for s in scales)
+    scales = tuple(jnp.reshape(s, (*cache.stacked_shape[:2], s.shape[-1])) for s in scales)
     validation.check_options(sm_scale, sliding_window, soft_cap, "pallas_tpu")
     validation.check_window_fits(md, sliding_window)
     q = jnp.asarray(q)

@@ -103,7 +103,7 @@ def ragged_paged_attention_xla(
     """
     scaled = isinstance(k_cache, ScaledCache) or isinstance(v_cache, ScaledCache)
     if scaled:  # an 8-bit cache: values and scales (kv_quant.py), dequantized after each gather
-        check_scaled_pair(k_cache, v_cache)
+        check_scaled_pair(k_cache, v_cache, "token")
         cache = validation.check_layer_inputs(q, k_cache.values, v_cache.values, md, layer, "xla", eight_bit=True)
     else:
         cache = validation.check_layer_inputs(q, k_cache, v_cache, md, layer, "xla")

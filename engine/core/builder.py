@@ -30,6 +30,7 @@ from engine.step.kv_cache import cache_budget, pool_sizes
 from engine.step.model_runner import ModelRunner
 from models.loader import load_model
 from pallas_kernels import resolve_backend
+from pallas_kernels.kv_quant import scale_layout
 from scheduler import Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
@@ -147,7 +148,7 @@ def build_parts(config: EngineConfig, *, progress: bool = True, mesh=None, loade
     budget = cache_budget(placement.devices[0] if placement else None, config.kv_cache_bytes,
                           config.kv_cache_memory_fraction)
     num_blocks, num_sliding_blocks = pool_sizes(config, kv_config, budget, sliding=sliding, dtype=dtype,
-                                                max_model_len=max_model_len)
+                                                max_model_len=max_model_len, scale_layout=scale_layout(backend))
     if (num_blocks - 1) * bs < max_model_len:
         raise ValueError(
             f"the KV cache ({num_blocks - 1} blocks of {bs} tokens) cannot hold one request of "

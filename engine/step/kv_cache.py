@@ -29,6 +29,7 @@ token, scales counted (models/kv_bytes.py), size the pool.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import jax
@@ -67,10 +68,11 @@ def cache_groups(config: ModelConfig, num_blocks: int, num_sliding_blocks: int) 
 
 
 def pool_sizes(engine: EngineConfig, config: ModelConfig, budget: int, *, sliding: bool, dtype: str,
-               max_model_len: int, tp: int = 1) -> tuple[int, int]:
+               max_model_len: int, tp: int = 1, scale_layout: str = "token") -> tuple[int, int]:
     """The scheduler's pools (num_blocks, num_sliding_blocks; 0: no sliding group), each with its
     null block, for engine.num_kv_blocks or a cache of `budget` bytes per device (each of `tp`
-    devices holds 1 / tp of a block). `config`: the cache's ModelConfig; `sliding`: the engine
+    devices holds 1 / tp of a block; an 8-bit cache's scales in `scale_layout`, the attention
+    backend's). `config`: the cache's ModelConfig; `sliding`: the engine
     keeps sliding-window accounting (engine/core/builder.uses_sliding_groups). No pool holds more
     than the engine can use (max_num_seqs full-length requests, plus the null block).
 
@@ -86,7 +88,7 @@ def pool_sizes(engine: EngineConfig, config: ModelConfig, budget: int, *, slidin
     bs, num_kv_blocks = engine.block_size, engine.num_kv_blocks
     max_useful = engine.max_num_seqs * -(-max_model_len // bs) + 1
     sizing = dict(block_size=bs, dtype=dtype, kv_cache_dtype=engine.kv_cache_dtype, max_useful_blocks=max_useful,
-                  tp=tp)
+                  tp=tp, scale_layout=scale_layout)
     if not sliding or every_layer_slides(config, sliding):
         cache = num_kv_blocks if num_kv_blocks is not None else blocks_in_budget(config, budget, **sizing)
         return (max_useful, cache) if sliding else (cache, 0)
@@ -98,16 +100,19 @@ def pool_sizes(engine: EngineConfig, config: ModelConfig, budget: int, *, slidin
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: str, kv_cache_dtype: str = "auto",
-                       num_layers: int | None = None) -> int:
+                       num_layers: int | None = None, *, scale_layout: str = "token", block_size: int = 16,
+                       shards: int = 1) -> int:
     """K and V bytes of one token over all layers (or `num_layers` of them): the model dtype's
-    (`dtype` by name), or an 8-bit cache's values plus their scales; the rule is
-    models/kv_bytes.py's."""
-    return kv_bytes.kv_bytes_per_token(config, jnp.dtype(dtype).itemsize, kv_cache_dtype, num_layers)
+    (`dtype` by name), or an 8-bit cache's values plus their scales (in `scale_layout`, the
+    backend's: pallas_kernels/kv_quant.scale_layout); the rule is models/kv_bytes.py's."""
+    return kv_bytes.kv_bytes_per_token(config, jnp.dtype(dtype).itemsize, kv_cache_dtype, num_layers,
+                                       scale_layout=scale_layout, block_size=block_size, shards=shards)
 
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: str, kv_cache_dtype: str = "auto",
-                    num_layers: int | None = None) -> int:
-    return block_size * kv_bytes_per_token(config, dtype, kv_cache_dtype, num_layers)
+                    num_layers: int | None = None, *, scale_layout: str = "token", shards: int = 1) -> int:
+    return block_size * kv_bytes_per_token(config, dtype, kv_cache_dtype, num_layers, scale_layout=scale_layout,
+                                           block_size=block_size, shards=shards)
 
 
 def cache_budget(device, kv_cache_bytes: int, memory_fraction: float) -> int:
@@ -122,17 +127,18 @@ def cache_budget(device, kv_cache_bytes: int, memory_fraction: float) -> int:
 
 
 def blocks_in_budget(config: ModelConfig, budget: int, *, block_size: int, dtype: str, kv_cache_dtype: str,
-                     max_useful_blocks: int, tp: int = 1) -> int:
+                     max_useful_blocks: int, tp: int = 1, scale_layout: str = "token") -> int:
     """One cache group's blocks in a byte budget (per device: each of `tp` devices holds 1 / tp of
     a block): at least 2 (the null block and one), at most max_useful_blocks."""
-    per_block = bytes_per_block(config, block_size, dtype, kv_cache_dtype) // tp
+    per_block = bytes_per_block(config, block_size, dtype, kv_cache_dtype, scale_layout=scale_layout,
+                                shards=tp) // tp
     return max(2, min(budget // per_block, max_useful_blocks))
 
 
 def num_blocks_for(
     config: ModelConfig, *, block_size: int, dtype: str, num_kv_blocks: int | None,
     kv_cache_bytes: int, memory_fraction: float, max_useful_blocks: int, device=None,
-    kv_cache_dtype: str = "auto",
+    kv_cache_dtype: str = "auto", scale_layout: str = "token",
 ) -> int:
     """The cache size in blocks (including the null block) of one cache group.
 
@@ -143,16 +149,19 @@ def num_blocks_for(
     if num_kv_blocks is not None:
         return num_kv_blocks
     return blocks_in_budget(config, cache_budget(device, kv_cache_bytes, memory_fraction), block_size=block_size,
-                            dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_useful_blocks=max_useful_blocks)
+                            dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_useful_blocks=max_useful_blocks,
+                            scale_layout=scale_layout)
 
 
 def split_budget(config: ModelConfig, budget: int, *, block_size: int, dtype: str, kv_cache_dtype: str,
-                 max_useful_blocks: int, sliding_blocks_needed: int, tp: int = 1) -> tuple[int, int]:
+                 max_useful_blocks: int, sliding_blocks_needed: int, tp: int = 1,
+                 scale_layout: str = "token") -> tuple[int, int]:
     """A two-group cache's pools in a byte budget (per device: each of `tp` devices holds 1 / tp of
     a block), the sliding one sized for `sliding_blocks_needed` (`pool_sizes`): (global blocks,
     sliding blocks)."""
     per_global, per_sliding = (
-        bytes_per_block(config, block_size, dtype, kv_cache_dtype, config.num_layers_of_kind(kind)) // tp
+        bytes_per_block(config, block_size, dtype, kv_cache_dtype, config.num_layers_of_kind(kind),
+                        scale_layout=scale_layout, shards=tp) // tp
         for kind in ("full_attention", "sliding_attention"))
     num_global = (budget - sliding_blocks_needed * per_sliding) // per_global
     if num_global < sliding_blocks_needed:
@@ -161,21 +170,32 @@ def split_budget(config: ModelConfig, budget: int, *, block_size: int, dtype: st
     return num_global, max(2, min(sliding_blocks_needed, num_global))
 
 
-def scaled_sharding(sharding, kv_cache_dtype: str) -> ScaledCache:
+def scaled_sharding(sharding, kv_cache_dtype: str, layout: str = "token") -> ScaledCache:
     """The sharding of one ScaledCache whose values have `sharding` (a NamedSharding of the
-    [L, blocks, block_size, Hkv, D] values): the scales [L, blocks, block_size, Hkv] split alike."""
-    scales = NamedSharding(sharding.mesh, PartitionSpec(*tuple(sharding.spec)[:4]))
-    return ScaledCache(sharding, scales, kv_cache_dtype)
+    [L, blocks, block_size, Hkv, D] values): the scales split alike, [L, blocks, block_size, Hkv]
+    on the heads, or (the page layout) [L, blocks, W] on the row, one piece per shard."""
+    spec = tuple(sharding.spec) + (None,) * (5 - len(tuple(sharding.spec)))
+    scale_spec = spec[:4] if layout == "token" else (*spec[:2], spec[3])
+    return ScaledCache(sharding, NamedSharding(sharding.mesh, PartitionSpec(*scale_spec)), kv_cache_dtype, layout)
+
+
+def kv_shards(sharding) -> int:
+    """How many devices split the kv heads under `sharding` (the values' NamedSharding; 1 for none)."""
+    if sharding is None:
+        return 1
+    spec = tuple(sharding.spec) + (None,) * (5 - len(tuple(sharding.spec)))
+    axes = spec[3] if isinstance(spec[3], tuple) else (spec[3],)
+    return int(math.prod(sharding.mesh.shape[a] for a in axes if a is not None))
 
 
 def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: str, *,
                       bits: bool = False, sharding=None, kv_cache_dtype: str = "auto",
-                      num_sliding_blocks: int = 0) -> tuple:
+                      num_sliding_blocks: int = 0, scale_layout: str = "token") -> tuple:
     """Zeroed (k_cache, v_cache); bits=True stores a 16-bit dtype as uint16 (same bytes).
     `sharding` (a NamedSharding splitting the KV-head axis, models/sharding.py): each device
     allocates only its own shard. kv_cache_dtype "int8" / "fp8_e4m3": each of K and V is a
-    ScaledCache (values and scales, pallas_kernels/kv_quant.py; on a mesh both split on KV
-    heads).
+    ScaledCache (values and scales in `scale_layout`, the attention backend's:
+    pallas_kernels/kv_quant.py; on a mesh both split on KV heads).
     num_sliding_blocks > 0 (a model mixing windows): the two groups, (k_global, v_global,
     k_sliding, v_sliding), the global layers' over num_blocks and the sliding layers' over
     num_sliding_blocks."""
@@ -184,21 +204,22 @@ def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dty
             raise ValueError(f"allocate_kv_cache: num_sliding_blocks={num_sliding_blocks} needs a model that "
                              f"mixes sliding-window and global layers; {config.name!r} does not")
         return sum((_allocate(config, config.num_layers_of_kind(kind), n, block_size, dtype, bits,
-                              sharding, kv_cache_dtype)
+                              sharding, kv_cache_dtype, scale_layout)
                     for kind, n in (("full_attention", num_blocks), ("sliding_attention", num_sliding_blocks))),
                    ())
-    return _allocate(config, config.num_layers, num_blocks, block_size, dtype, bits, sharding, kv_cache_dtype)
+    return _allocate(config, config.num_layers, num_blocks, block_size, dtype, bits, sharding, kv_cache_dtype,
+                     scale_layout)
 
 
 def _allocate(config: ModelConfig, num_layers: int, num_blocks: int, block_size: int, dtype: str, bits: bool,
-              sharding, kv_cache_dtype: str) -> tuple:
+              sharding, kv_cache_dtype: str, scale_layout: str) -> tuple:
     shape = (num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
     if kv_cache_dtype != "auto":
+        scaled = lambda: allocate_scaled(shape, kv_cache_dtype, scale_layout, kv_shards(sharding))  # noqa: E731
         if sharding is None:
-            return allocate_scaled(shape, kv_cache_dtype), allocate_scaled(shape, kv_cache_dtype)
-        split = scaled_sharding(sharding, kv_cache_dtype)
-        zeros = jax.jit(lambda: (allocate_scaled(shape, kv_cache_dtype), allocate_scaled(shape, kv_cache_dtype)),
-                        out_shardings=(split, split))
+            return scaled(), scaled()
+        split = scaled_sharding(sharding, kv_cache_dtype, scale_layout)
+        zeros = jax.jit(lambda: (scaled(), scaled()), out_shardings=(split, split))
         return zeros()
     if bits and jnp.dtype(dtype).itemsize == 2:
         dtype = jnp.uint16

@@ -45,6 +45,7 @@ from engine.step.step_inputs import BatchBuilder, StepLayout
 from engine.step.step_result import hidden_rows, read_result
 from models.config import ModelConfig
 from models.quant import QuantizedWeight
+from pallas_kernels.kv_quant import scale_layout
 from scheduler import SchedulerOutput, StepResult
 
 _compile_events = [0]
@@ -81,6 +82,7 @@ class ModelRunner:
         self.dtype = dtype
         self.placement = placement
         bits = attention_backend == "xla"
+        layout = scale_layout(attention_backend)  # an 8-bit cache's scales as the backend reads them
         # The cache groups (engine/step/kv_cache.py): one, or two with a sliding group.
         cache_blocks, sliding_blocks, tables = cache_groups(model_config, shapes.num_blocks, shapes.num_sliding_blocks)
         if placement is None:
@@ -93,7 +95,7 @@ class ModelRunner:
                                        activation_rows)
             self.kv_cache = allocate_kv_cache(model_config, cache_blocks, shapes.block_size, dtype,
                                               bits=bits, kv_cache_dtype=kv_cache_dtype,
-                                              num_sliding_blocks=sliding_blocks)
+                                              num_sliding_blocks=sliding_blocks, scale_layout=layout)
         else:
             if keep_hidden:
                 raise ValueError("ModelRunner(keep_hidden=True) runs on one device (no placement)")
@@ -108,7 +110,8 @@ class ModelRunner:
             self.params = params
             self.kv_cache = allocate_kv_cache(placement.layout.padded, cache_blocks, shapes.block_size,
                                               dtype, bits=bits, sharding=placement.kv_sharding,
-                                              kv_cache_dtype=kv_cache_dtype, num_sliding_blocks=sliding_blocks)
+                                              kv_cache_dtype=kv_cache_dtype, num_sliding_blocks=sliding_blocks,
+                                              scale_layout=layout)
         self.lora = lora
         if lora is not None:
             self.params = {**self.params, "lora": lora.buffers}

@@ -15,6 +15,7 @@ cost (`cost_analysis`, where the backend gives it) and collectives (the optimize
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import jax
@@ -32,7 +33,13 @@ from engine.config import (
 from engine.core.builder import uses_sliding_groups
 from engine.step.buckets import Bucket, RunnerShapes, resolve_seq_buckets, resolve_token_buckets
 from engine.step.executables import manifest, save_executables
-from engine.step.kv_cache import bytes_per_block, cache_groups, pool_sizes, scaled_sharding
+from engine.step.kv_cache import (
+    bytes_per_block,
+    cache_groups,
+    kv_shards,
+    pool_sizes,
+    scaled_sharding,
+)
 from engine.step.mesh import replica_meshes
 from engine.step.placement import Placement
 from engine.step.program import lower_bucket, make_step, served_params_spec, table_state_spec
@@ -52,7 +59,7 @@ from experiments.lab.aot_side_programs import draft_head_programs, transfer_prog
 from models.config import ModelConfig
 from models.sharding import KV_CACHE_SPEC, param_specs
 from pallas_kernels import resolve_backend
-from pallas_kernels.kv_quant import allocate_scaled
+from pallas_kernels.kv_quant import allocate_scaled, scale_layout
 
 
 def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: str, *,
@@ -110,14 +117,15 @@ def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: st
                                           is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
         params = {**params, "lora": with_sharding(lora, lora_shardings)}
     weights = tree_bytes_per_device(params)
-    per_block = bytes_per_block(kv_config, bs, dtype, config.kv_cache_dtype) // tp
+    layout = scale_layout(backend)  # an 8-bit cache's scales as the backend reads them
+    per_block = bytes_per_block(kv_config, bs, dtype, config.kv_cache_dtype, scale_layout=layout, shards=tp) // tp
     # engine/step/kv_cache.py cache_budget on an accelerator: a fraction of what is free
     budget = int(max(0, usable - weights) * config.kv_cache_memory_fraction)
     if platform == "cpu":
         budget = config.kv_cache_bytes
     num_blocks, num_sliding_blocks = pool_sizes(
         config, kv_config, budget, sliding=uses_sliding_groups(config, model), dtype=dtype,
-        max_model_len=max_model_len, tp=tp)
+        max_model_len=max_model_len, tp=tp, scale_layout=layout)
     shapes = RunnerShapes(
         token_buckets=resolve_token_buckets(config), seq_buckets=resolve_seq_buckets(config),
         max_blocks_per_seq=max_blocks_per_seq, num_blocks=num_blocks, block_size=bs,
@@ -205,8 +213,10 @@ def _kv_state(kv_config: ModelConfig, shapes: RunnerShapes, dtype: str, backend:
     for layers, blocks in groups:
         leaf = _kv_leaf(kv_config, blocks, shapes.block_size, dtype, backend, sharding, layers)
         if kv_cache_dtype != "auto":  # values and scales (pallas_kernels/kv_quant.py)
-            leaf = jax.eval_shape(lambda shape=leaf.shape: allocate_scaled(shape, kv_cache_dtype))
-            split = scaled_sharding(sharding, kv_cache_dtype) if on_mesh else jax.tree.map(lambda _: sharding, leaf)
+            layout, shards = scale_layout(backend), kv_shards(sharding) if on_mesh else 1
+            leaf = jax.eval_shape(functools.partial(allocate_scaled, leaf.shape, kv_cache_dtype, layout, shards))
+            split = (scaled_sharding(sharding, kv_cache_dtype, layout) if on_mesh
+                     else jax.tree.map(lambda _: sharding, leaf))
             leaf = with_sharding(leaf, split)
         state += (leaf, leaf)
     return state

@@ -109,19 +109,25 @@ def test_knobs_are_refused_by_name(knobs, match):
         EngineConfig(model="random:tiny", **knobs)
 
 
-@pytest.mark.extended  # make test-extended: about 25 s of interpreted kernels on 2 cores
-def test_the_pallas_kernel_serves_the_8bit_cache_as_the_xla_path_does(engine):
-    """attention_backend="pallas" (the Triton kernel in interpret mode on the CPU) writes and reads
-    the int8 cache: seeded high-temperature samples (which follow every logit) equal the xla
-    engine's; the kernels' numerics against the oracle are tests/pallas_kernels' (default tier)."""
+@pytest.mark.extended  # make test-extended: about 25 s of interpreted kernels on 2 cores, each
+@pytest.mark.parametrize("backend, layout", [("pallas_gpu", "token"), ("pallas_tpu", "page")])
+def test_the_pallas_kernels_serve_the_8bit_cache_as_the_xla_path_does(engine, backend, layout, monkeypatch):
+    """attention_backend="pallas" (a kernel in interpret mode on the CPU: the Triton one, or the
+    TPU one by patching the builder's pick) writes and reads the int8 cache in its backend's scale
+    layout: seeded high-temperature samples (which follow every logit) equal the xla engine's; the
+    kernels' numerics against the oracle are tests/pallas_kernels' (default tier)."""
+    from engine.core import builder
     from engine.core.llm_engine import LLMEngine
 
+    if backend == "pallas_tpu":
+        monkeypatch.setattr(builder, "resolve_backend", lambda *_: "pallas_tpu")
     # Small buckets (interpreted kernels compile slowly): prompts of 9 and 23 tokens prefill in
     # 16-token chunks beside the other's decode.
     pallas = LLMEngine(EngineConfig(**dict(KNOBS, attention_backend="pallas", interpret=True, seq_buckets=(4,),
                                            max_num_seqs=4, token_buckets=(4, 16), max_num_batched_tokens=16)),
                        progress=False)
-    assert pallas.attention_backend == "pallas_gpu" and isinstance(pallas.runner.kv_cache[0], ScaledCache)
+    cache = pallas.runner.kv_cache[0]
+    assert pallas.attention_backend == backend and isinstance(cache, ScaledCache) and cache.layout == layout
     requests = [(f"p{i}", p, SamplingParams(temperature=40.0, seed=i, max_tokens=6, ignore_eos=True))
                 for i, p in enumerate(PROMPTS[1:3])]
     got, want = run_to_completion(pallas, requests), run_to_completion(engine, requests)

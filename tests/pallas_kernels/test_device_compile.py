@@ -45,7 +45,7 @@ from pallas_kernels import (
     tpu,
     write_kv,
 )
-from pallas_kernels.kv_quant import ScaledCache, allocate_scaled
+from pallas_kernels.kv_quant import ScaledCache, allocate_scaled, scale_layout
 
 pytestmark = [pytest.mark.aot, pytest.mark.usefixtures("no_persistent_cache")]
 
@@ -141,8 +141,10 @@ def _lower(s: Shape, backend: str, target: str):
     if s.kv == "auto":
         cache = arg(_cache_shape(s), dt)
     else:  # values and scales, as the engine allocates them (engine/step/kv_cache.py)
-        cache = jax.eval_shape(lambda: allocate_scaled(_cache_shape(s), s.kv))
-        cache = ScaledCache(arg(cache.values.shape, cache.values.dtype), arg(cache.scales.shape, jnp.uint16), s.kv)
+        layout = scale_layout(backend)  # the TPU's scales as rows per page (kv_quant.py "Scale layouts")
+        cache = jax.eval_shape(lambda: allocate_scaled(_cache_shape(s), s.kv, layout))
+        cache = ScaledCache(arg(cache.values.shape, cache.values.dtype), arg(cache.scales.shape, cache.scales.dtype),
+                            s.kv, layout)
     args = (
         arg((T, hq, d), dt), arg((T, hkv, d), dt), arg((T, hkv, d), dt),
         cache, cache,
@@ -166,6 +168,10 @@ def _check_compiled(compiled, s: Shape, backend: str, target: str) -> None:
     assert mem is not None and mem.argument_size_in_bytes >= 2 * cache_bytes
     if backend == "pallas_tpu":
         assert mem.generated_code_size_in_bytes > 0  # TPU machine code
+        if s.kv != "auto":  # the page layout's scale rows are read and written in XLA's own layout
+            scales = jax.eval_shape(lambda: allocate_scaled(_cache_shape(s), s.kv, "page")).scales.shape
+            copies = [line for line in text.splitlines() if " copy(" in line and f"u32[{','.join(map(str, scales))}]" in line]
+            assert not copies, f"XLA relayouts the scale rows: {copies[:2]}"
     else:
         from jax.experimental.serialize_executable import serialize
 
