@@ -1,9 +1,9 @@
 """GGUF block types served in their own quantization (EngineConfig.quantization="gguf"): Q8_0,
-Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants Q4_K, Q5_K and Q6_K read from the file's raw bytes into
-models/quant.QuantizedWeight with `block=32` (Q6_K: 16): int8 codes [rows, cols], float32 block
-scales and offsets [rows, cols / block] (the block minimums of Q4_1 / Q5_1 / Q4_K / Q5_K, -0.0
-for the others), with no float copy of the weights made; and the served layout (q/k/v and
-gate/up fused along the output rows, models/served_layout.py) built from them.
+Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants Q2_K, Q3_K, Q4_K, Q5_K and Q6_K read from the file's raw
+bytes into models/quant.QuantizedWeight with `block=32` (Q2_K, Q3_K, Q6_K: 16): int8 codes [rows,
+cols], float32 block scales and offsets [rows, cols / block] (the block minimums of Q4_1 / Q5_1 /
+Q2_K / Q4_K / Q5_K, -0.0 for the others), with no float copy of the weights made; and the served
+layout (q/k/v and gate/up fused along the output rows, models/served_layout.py) built from them.
 
 Block layouts (gguf.quants; the decode here is bit-identical to its numpy one, tests/models/
 test_gguf_q4.py):
@@ -18,24 +18,35 @@ test_gguf_q4.py):
   Q5_K (176 bytes / 256) as Q4_K, plus 32 bytes of fifth bits: q in 0..31
   Q6_K (210 bytes / 256) 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales sc (one
                          per 16 values), float16 d: w = (d * sc) * (q - 32), q in 0..63
+  Q2_K (84 bytes / 256)  16 bytes of 4-bit sc (low nibble) and mn (high) per 16 values, 64 bytes
+                         of 2-bit codes, float16 d, float16 dmin: w = (d * sc) * q - dmin * mn, q in 0..3
+  Q3_K (110 bytes / 256) 32 bytes of high bits (hmask), 64 of low 2-bit codes, 12 bytes of sixteen
+                         6-bit scales sc, float16 d: w = (d * (sc - 32)) * q, q = low - (0 if the
+                         high bit is set else 4), in -4..3
 The nibbles of a 32-value block: byte j holds value j in its low 4 bits and value j + 16 in its
 high 4 (Q4_K / Q5_K: each 32 bytes hold two blocks, the low nibbles the first); the fifth bit of
 value j is bit j of qh (Q5_K: bit b of byte j of the 32, for block b of the super-block). d * q is
 exact in float32 (an 11-bit float16 significand times an integer of at most 8 bits; Q4_K / Q5_K's
 d * sc of at most 17 bits times 5), so the one rounding is the + m (- dmin * mn), wherever it is
 computed; a K-quant block's scale is d * sc and its offset -(dmin * mn), exact. Q6_K's
-(d * sc) * q (up to 19 bits times 6) may round once, the same product gguf.quants rounds.
+(d * sc) * q (up to 19 bits times 6) may round once, the same product gguf.quants rounds. Q2_K's
+d * sc and dmin * mn (11 bits times 4) and (d * sc) * q (15 times 2) are exact, so its one
+rounding is the - dmin * mn, as gguf.quants'; Q3_K's d * (sc - 32) (11 bits times 6: |sc - 32| <=
+32) times q (|q| <= 4, 2 bits) is at most 19 bits, exact: no rounding at all.
 
-Stored: one int8 per value (Q4_0 as q - 8 in -8..7, Q5_0 as q - 16 and Q6_K as q - 32, the same
-form as Q8_0; the others as q) plus float32 scales and offsets (-0.0 for Q8_0, Q4_0, Q5_0 and
-Q6_K, which the CPU's fast product form needs, models/quant.py 5.): 1.25 bytes per weight (1.5
-at Q6_K's 16-value blocks). A fused product, or a product stacked over layers, whose parts have
-both block sizes is held at 16 (`with_block`: each 32-value block's scale and offset repeated,
-the same weight exactly). Packed nibbles would be
+Stored: one int8 per value (Q4_0 as q - 8 in -8..7, Q5_0 as q - 16, Q6_K as q - 32 and Q3_K as
+its signed q, the same form as Q8_0; the others as q) plus float32 scales and offsets (-0.0 for
+Q8_0, Q4_0, Q5_0, Q3_K and Q6_K, which the CPU's fast product form needs, models/quant.py 5.):
+1.25 bytes per weight (1.5 at Q2_K's, Q3_K's and Q6_K's 16-value blocks: more than the file's
+0.33 / 0.43 bytes for Q2_K / Q3_K, less than float). A fused product, or a product stacked over
+layers, whose parts have both block sizes is held at 16 (`with_block`: each 32-value block's scale
+and offset repeated, the same weight exactly). Packed nibbles would be
 0.5 + scales, but XLA:CPU does not fuse the unpacking into the product and runs
 it several times slower (BUILD_NOTES.md "Quantization", experiments/bench/q4_forms.py).
-Other types (F32/F16/BF16, Q2_K, Q3_K, the IQ types) have no block form here and are
-dequantized to the model's dtype as before (`load_gguf` logs the quantized ones, once per file).
+Other types have no block form here: F32/F16/BF16 (and a product fused with one of them) are
+read as floats in the model's dtype as before (`load_gguf` logs the quantized tensors so
+dequantized, once per file); the IQ and TQ types are refused by name
+(models/gguf_loader.py SUPPORTED_TYPES).
 """
 
 from __future__ import annotations
@@ -47,20 +58,22 @@ from models.weights import unpermute_rows
 
 BLOCK = 32
 # type name -> (bytes, values) of one stored block (a K-quant super-block holds 8 blocks of 32,
-# Q6_K's 16 blocks of 16)
+# Q2_K's, Q3_K's and Q6_K's 16 blocks of 16)
 NATIVE_TYPES = {"Q8_0": (34, 32), "Q4_0": (18, 32), "Q4_1": (20, 32), "Q5_0": (22, 32), "Q5_1": (24, 32),
-                "Q4_K": (144, 256), "Q5_K": (176, 256), "Q6_K": (210, 256)}
+                "Q2_K": (84, 256), "Q3_K": (110, 256), "Q4_K": (144, 256), "Q5_K": (176, 256),
+                "Q6_K": (210, 256)}
+BLOCK_16 = ("Q2_K", "Q3_K", "Q6_K")  # the types with a scale per 16 values
 
 
 def block_of(kind: str) -> int:
-    """The values per scale of a NATIVE_TYPES type as served: 16 for Q6_K, else 32."""
-    return 16 if kind == "Q6_K" else BLOCK
+    """The values per scale of a NATIVE_TYPES type as served: 16 for BLOCK_16, else 32."""
+    return 16 if kind in BLOCK_16 else BLOCK
 
 
 def with_block(w: QuantizedWeight, block: int) -> QuantizedWeight:
     """A block weight (numpy, as loaded) with its scales and offsets repeated to `block` values
     each (which must divide its own): the same weight, exactly, at a finer block (a fused product or a stack of
-    layers whose parts differ: Q6_K's 16 beside 32)."""
+    layers whose parts differ: Q2_K's, Q3_K's or Q6_K's 16 beside 32)."""
     if w.block == block:
         return w
     if w.block % block:
@@ -92,6 +105,10 @@ def block_weight(path: str, tensor, dtype: str) -> QuantizedWeight:
         return _k_quant(blocks, kind, rows, cols, dtype, half(0), half(2))
     if kind == "Q6_K":
         return _q6_k(blocks, rows, cols, dtype, half(208))
+    if kind == "Q2_K":
+        return _q2_k(blocks, rows, cols, dtype, half(80), half(82))
+    if kind == "Q3_K":
+        return _q3_k(blocks, rows, cols, dtype, half(108))
     d = half(0)
     # Q8_0, Q4_0 and Q5_0 get offsets of -0.0 (x + -0.0 is x bit for bit, negative zeros
     # included): the product's fast form on XLA:CPU needs an offset, and a constant one
@@ -148,6 +165,40 @@ def _q6_k(blocks, rows, cols, dtype, d) -> QuantizedWeight:
     q = (low | ((pairs & 3) << 4)).reshape(rows, cols).astype(np.int8) - np.int8(32)
     sc = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).astype(np.float32)  # [rows, n, 16]
     scale = (d[..., None] * sc).reshape(rows, cols // 16)
+    return QuantizedWeight(q, scale, dtype_name=dtype, block=16, offset=np.full_like(scale, -0.0))
+
+
+# Q2_K / Q3_K: the 2-bit codes of a 128-value half are its 32 bytes read 4 times, bits 2k..2k+1
+# giving its values k * 32 .. k * 32 + 31.
+_PAIRS = np.array([0, 2, 4, 6], np.uint8)[:, None]
+
+
+def _q2_k(blocks, rows, cols, dtype, d, dmin) -> QuantizedWeight:
+    """Q2_K super-blocks [rows, n, 84] -> 16 blocks of 16 each: scale d * sc, offset -(dmin * mn),
+    codes 0..3. Bytes: 16 of (sc low nibble, mn high) per 16 values, 64 of 2-bit codes (two
+    halves of 32 bytes, _PAIRS), float16 d, float16 dmin."""
+    n = blocks.shape[1]
+    packed = blocks[..., :16]
+    scale = (d[..., None] * (packed & 15).astype(np.float32)).reshape(rows, cols // 16)
+    offset = (-(dmin[..., None] * (packed >> 4).astype(np.float32))).reshape(rows, cols // 16)
+    q = (blocks[..., 16:80].reshape(rows, n, 2, 1, 32) >> _PAIRS) & 3  # [rows, n, half, k, 32]
+    return QuantizedWeight(q.reshape(rows, cols).astype(np.int8), scale, dtype_name=dtype, block=16, offset=offset)
+
+
+def _q3_k(blocks, rows, cols, dtype, d) -> QuantizedWeight:
+    """Q3_K super-blocks [rows, n, 110] -> 16 blocks of 16 each: scale d * (sc - 32), codes
+    q in -4..3, offsets -0.0. Bytes: 32 of high bits (bit b of byte j: value b * 32 + j), 64 of
+    low 2-bit codes (as Q2_K's), 12 of scales, float16 d. Scale i: its low 4 bits the low (i < 8)
+    or high nibble of byte i % 8, its high 2 bits bits 2 (i // 4)..2 (i // 4) + 1 of byte 8 + i % 4.
+    A value is low - 4 where its high bit is clear, low where set: (low | high << 2) - 4."""
+    n = blocks.shape[1]
+    high = (blocks[..., None, :32] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # [rows, n, 8, 32]
+    low = (blocks[..., 32:96].reshape(rows, n, 2, 1, 32) >> _PAIRS) & 3  # [rows, n, half, k, 32]
+    q = (low.reshape(rows, n, 8, 32) | (high << 2)).reshape(rows, cols).astype(np.int8) - np.int8(4)
+    a, b = blocks[..., 96:104], blocks[..., 104:108]
+    top = ((b[..., None, :] >> _PAIRS) & 3).reshape(rows, n, 16)
+    sc = np.concatenate([a & 15, a >> 4], axis=-1) | (top << 4)  # 0..63
+    scale = (d[..., None] * (sc.astype(np.float32) - 32)).reshape(rows, cols // 16)
     return QuantizedWeight(q, scale, dtype_name=dtype, block=16, offset=np.full_like(scale, -0.0))
 
 

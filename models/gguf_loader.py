@@ -10,17 +10,18 @@ ffn_{gate,up,down}_exps [E, out, in]) instead of the MLP; a tensor left over is 
 problem raises an error that names the file and what is wrong with it.
 
 `native_blocks=True` (EngineConfig.quantization="gguf") serves the file's Q8_0, Q4_0, Q4_1,
-Q5_0, Q5_1, Q4_K, Q5_K and Q6_K tensors in their own blocks (models/gguf_blocks.py): the tables
-(token_embd, an untied output) and, for a dense model, the layers' products, read from the raw
-bytes into models/quant.QuantizedWeight (int8 codes, float32 scales per 32 values (Q6_K: 16),
-the minimums as offsets) with no float copy made; the products and lookups dequantize inside.
-The layers then come in the served layout (models/served_layout.py: qkv_proj, o_proj,
-gate_up_proj, down_proj, bqkv), since a fused product of block weights is built from the file's
-rows; a product is served in blocks when all its parts are of those types (mixed among them is
-fine: at 16-value blocks where any part, in any layer, is Q6_K, so the layers stack), else in
-float as before.
-Left in float (dequantized to `dtype`, logged once per file when a quantized type is among
-them): Q2_K, Q3_K and the IQ types (no block form here), and a mixture of experts' layers.
+Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K tensors in their own blocks (models/gguf_blocks.py):
+the tables (token_embd, an untied output) and, for a dense model, the layers' products, read from
+the raw bytes into models/quant.QuantizedWeight (int8 codes, float32 scales per 32 values (Q2_K,
+Q3_K, Q6_K: 16), the minimums as offsets) with no float copy made; the products and lookups
+dequantize inside. The layers then come in the served layout (models/served_layout.py: qkv_proj,
+o_proj, gate_up_proj, down_proj, bqkv), since a fused product of block weights is built from the
+file's rows; a product is served in blocks when all its parts are of those types (mixed among them
+is fine: at 16-value blocks where any part, in any layer, is Q2_K, Q3_K or Q6_K, so the layers
+stack), else in float as before.
+Left in float (dequantized to `dtype`, logged once per file when a quantized type is among them):
+a product with a part in F32/F16/BF16 (its quantized parts too), and a mixture of experts' layers.
+The IQ and TQ types are not in SUPPORTED_TYPES: refused by name, with or without native_blocks.
 """
 
 from __future__ import annotations
@@ -168,7 +169,7 @@ def load_gguf(path: str | os.PathLike, *, dtype: str = "float32", progress: bool
                                                      tensors[ours[p]].tensor_type.name in NATIVE_TYPES for p in parts)
                 for p in parts} if served else set()
 
-    # Each served product at the finest block any layer's parts have (Q6_K's 16 beside 32), so
+    # Each served product at the finest block any layer's parts have (16 beside 32), so
     # the layers stack (a scan over stacked layers needs one block per product).
     finest = {served_name: min([block_of(tensors[f"blk.{i}.{k}"].tensor_type.name)
                                 for i in range(config.num_layers) for k, v in suffixes.items()
@@ -223,7 +224,7 @@ def load_gguf(path: str | os.PathLike, *, dtype: str = "float32", progress: bool
     if dequantized:
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(dequantized.items()))
         why = ("a mixture of experts' layers are served in float" if config.num_experts else
-               f"types with no block form here (only {'/'.join(NATIVE_TYPES)}), or fused with one")
+               f"fused with a part in float, or of a type with no block form here (only {'/'.join(NATIVE_TYPES)})")
         log.warning("%s: quantization='gguf': %s tensors dequantized to %s (%s)", path, kinds, dtype, why)
     return config, params, reader
 

@@ -45,13 +45,13 @@ def load_model(spec: str = "default", *, dtype: str = "float32", seed: int = 0,
                progress: bool = True, host: bool = False, native_blocks: bool = False) -> LoadedModel:
     """host=True: weights stay in host memory (numpy) where the source allows it (GGUF, HF,
     random), for an engine that places them shard by shard on a mesh. native_blocks: a GGUF's
-    Q8_0/Q4_*/Q5_*/Q4_K/Q5_K/Q6_K tensors stay in their blocks (models/gguf_loader.py; EngineConfig.quantization="gguf"):
+    Q8_0/Q4_*/Q5_*/Q2_K-Q6_K tensors stay in their blocks (models/gguf_loader.py; EngineConfig.quantization="gguf"):
     a GGUF file only, and the weights cache (float conversions) is not used."""
     from text.tokenizer import load_tokenizer, tokenizer_from_gguf
 
     start = time.perf_counter()
     if native_blocks and (spec.startswith("random:") or os.path.isdir(resolve_model_path(spec))):
-        raise ValueError(f"quantization='gguf' serves a GGUF file's own blocks (Q8_0/Q4_*/Q5_*/Q4_K/Q5_K/Q6_K); {spec!r} is not a "
+        raise ValueError(f"quantization='gguf' serves a GGUF file's own blocks (Q8_0/Q4_*/Q5_*/Q2_K-Q6_K); {spec!r} is not a "
                          "GGUF file (use quantization='int8' or 'fp8' to quantize at load)")
     if spec.startswith("random:"):
         config = preset_config(spec.split(":", 1)[1])

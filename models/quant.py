@@ -40,7 +40,8 @@ layers, [E, o, i] for experts.
    scale [o, i / B], and optionally one `offset` per block (w = scale * q + offset): GGUF's
    Q8_0, Q4_0 / Q5_0 (q - 8 / q - 16 held as int8) and Q4_1 / Q5_1 / Q4_K / Q5_K (q in 0..15 or
    0..31, offset the block's minimum, -dmin * mn for the K-quants' 32-value blocks) with B = 32,
-   and Q6_K (q - 32, d * sc per 16 values) with B = 16,
+   and Q6_K (q - 32, d * sc per 16 values), Q3_K (signed q, d * (sc - 32)) and Q2_K (q in 0..3,
+   offset -dmin * mn) with B = 16,
    as the file stores them (models/gguf_blocks.py), no float copy made. Their products are
    weight-only and exact (no activation rounding; `_block_product`), in the form measured
    fastest on XLA:CPU for the static row count t:

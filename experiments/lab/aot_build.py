@@ -94,7 +94,7 @@ def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: st
 
     activation_rows = resolve_activation_rows(config, platform)
     if config.quantization == "gguf":
-        raise ValueError("--quantization=gguf serves a GGUF file's own blocks (Q8_0/Q4_*/Q5_*/Q4_K/Q5_K/Q6_K), which a build from the "
+        raise ValueError("--quantization=gguf serves a GGUF file's own blocks (Q8_0/Q4_*/Q5_*/Q2_K-Q6_K), which a build from the "
                          "model's config alone does not have; experiments.aot takes int8 or fp8")
     smoothing = resolve_smoothing(config, platform) if mesh is None else None
     quant = dict(quantization=config.quantization, activation_rows=activation_rows, smoothing=smoothing is not None)

@@ -1,4 +1,4 @@
-"""GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K / Q8_0 served in their own blocks (models/gguf_blocks.py, models/quant.py 5.;
+"""GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q2_K / Q3_K / Q4_K / Q5_K / Q6_K / Q8_0 served in their own blocks (models/gguf_blocks.py, models/quant.py 5.;
 EngineConfig.quantization="gguf"): the decode is gguf.quants' bit for bit, the products equal the
 dequantized float product, and a written GGUF's layers load and serve in blocks with the float
 load's logits and greedy tokens."""
@@ -21,15 +21,14 @@ from models.llama import forward_dense
 from models.quant import QuantizedWeight
 from models.random_weights import random_params
 from models.served_layout import fuse_projections, stack_layers
-from tests.models.gguf_writer import write_gguf
+from tests.models.gguf_writer import hf_matrices, write_gguf
 
 TINY = preset_config("tiny")
 SERVED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 # The float16 fields of a block (byte offsets) where they are not (0, 2): d (and m / dmin).
-HALVES = {"Q8_0": (0,), "Q4_0": (0,), "Q5_0": (0,), "Q6_K": (208,), "Q2_K": (80, 82)}
-OTHER_TYPES = {"Q2_K": (84, 256)}  # a type with no block form here: (bytes, values)
+HALVES = {"Q8_0": (0,), "Q4_0": (0,), "Q5_0": (0,), "Q6_K": (208,), "Q2_K": (80, 82), "Q3_K": (108,)}
 
 
 def _tensor(data: np.ndarray, qtype, rows: int, cols: int, name: str = "w"):
@@ -40,7 +39,7 @@ def _tensor(data: np.ndarray, qtype, rows: int, cols: int, name: str = "w"):
 def _raw_blocks(qtype, rows: int, cols: int, seed: int) -> np.ndarray:
     """Every byte random except the float16 d (and m): finite, both signs, zero and subnormal."""
     rng = np.random.default_rng(seed)
-    size, values = NATIVE_TYPES[qtype.name] if qtype.name in NATIVE_TYPES else OTHER_TYPES[qtype.name]
+    size, values = NATIVE_TYPES[qtype.name]
     raw = rng.integers(0, 256, (rows, cols // values, size), dtype=np.uint8)
     for at in HALVES.get(qtype.name, (0, 2)):  # d, and m or dmin
         halves = (rng.standard_normal(raw.shape[:2]) * 0.02).astype(np.float16)
@@ -49,8 +48,9 @@ def _raw_blocks(qtype, rows: int, cols: int, seed: int) -> np.ndarray:
     return raw.reshape(rows, -1)
 
 
-ZERO_OFFSETS = (Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q6_K)
-ALL_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0]
+ZERO_OFFSETS = (Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q3_K, Q.Q6_K)
+BLOCK_16 = (Q.Q2_K, Q.Q3_K, Q.Q6_K)
+ALL_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0]
 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
@@ -59,7 +59,7 @@ def test_block_decode_is_gguf_bit_for_bit(qtype):
     raw = _raw_blocks(qtype, rows, cols, seed=1)
     want = quants.dequantize(raw, qtype).reshape(rows, cols)
     w = block_weight("f.gguf", _tensor(raw, qtype, rows, cols), "float32")
-    block = 16 if qtype == Q.Q6_K else 32
+    block = 16 if qtype in BLOCK_16 else 32
     assert w.q.dtype == np.int8 and w.block == block and w.offset.shape == w.scale.shape == (rows, cols // block)
     assert qtype not in ZERO_OFFSETS or not np.any(w.offset)  # Q8_0, Q4_0, Q5_0: zero offsets
     for got in (w.dequantize(), jax.jit(QuantizedWeight.dequantize)(w)):
@@ -71,15 +71,16 @@ def test_block_decode_is_gguf_bit_for_bit(qtype):
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 32])
 def test_block_products_equal_the_dequantized_float_product(rows):
-    """A fused product of mixed parts (Q4_0, Q4_1, Q5_1, Q4_K, Q6_K, Q8_0 rows: zero offsets for
-    the first and the last two; Q6_K's 16-value blocks make the whole product 16) against
+    """A fused product of mixed parts (Q4_0, Q4_1, Q5_1, Q2_K, Q3_K, Q4_K, Q6_K, Q8_0 rows: zero
+    offsets for Q4_0, Q3_K, Q6_K and Q8_0; the 16-value blocks make the whole product 16) against
     x . dequantized^T, weight-only at every row count; and a block weight made without offset
     (x . dequantized^T)."""
     cols = 256
     parts = [block_weight("f.gguf", _tensor(_raw_blocks(t, n, cols, seed=n), t, n, cols), "float32")
-             for t, n in ((Q.Q4_0, 40), (Q.Q4_1, 24), (Q.Q5_1, 8), (Q.Q4_K, 12), (Q.Q6_K, 4), (Q.Q8_0, 16))]
+             for t, n in ((Q.Q4_0, 40), (Q.Q4_1, 24), (Q.Q5_1, 8), (Q.Q2_K, 4), (Q.Q3_K, 4), (Q.Q4_K, 12),
+                          (Q.Q6_K, 4), (Q.Q8_0, 16))]
     w = concat_rows(parts)
-    assert w.block == 16 and w.scale.shape == (104, cols // 16)
+    assert w.block == 16 and w.scale.shape == (112, cols // 16)
     dense = np.concatenate([np.asarray(p.dequantize()) for p in parts])
     np.testing.assert_array_equal(np.asarray(w.dequantize()), dense)
     x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, cols), np.float32))
@@ -126,29 +127,30 @@ def test_gguf_q4_layers_load_in_their_blocks(tmp_path, qtype):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())  # float rounding
 
 
-def _mixed_file(tmp_path, down_types: dict, seed: int):
-    """A written Q4_1 GGUF of TINY with an MLP width of 256 (a K-quant row), whose layers'
-    ffn_down are random blocks of the given types (layer index -> type)."""
-    config = dataclasses.replace(TINY, intermediate_size=256)
+def _mixed_file(tmp_path, types: dict, seed: int, config=None):
+    """A written Q4_1 GGUF of `config` (TINY with an MLP width of 256, a K-quant row), whose
+    tensors named in `types` are random blocks of the given types (F16: the weights in float16)."""
+    config = config or dataclasses.replace(TINY, intermediate_size=256)
     params = random_params(config, seed=seed)
     path = tmp_path / "mixed.gguf"
-    raw = {f"blk.{i}.ffn_down.weight": (_raw_blocks(t, config.hidden_size, 256, seed=seed + i), t)
-           for i, t in down_types.items()}
+    matrices = hf_matrices(params, config)
+    raw = {name: (matrices[name].astype(np.float16) if t == Q.F16 else
+                  _raw_blocks(t, *matrices[name].shape, seed=seed + i), t) for i, (name, t) in enumerate(types.items())}
     write_gguf(path, config, params, Q.Q4_1, raw=raw)
     return path
 
 
-def test_a_product_with_a_part_in_another_type_stays_float_and_is_logged(tmp_path, caplog):
-    """blk.0.ffn_down in Q2_K (no block form here; its bytes random, d and dmin sane): layer 0's
-    down_proj is float, its other products and layer 1 in blocks; the load says which tensors were
-    dequantized."""
-    path = _mixed_file(tmp_path, {0: Q.Q2_K}, seed=6)
+def test_a_product_with_a_part_in_float_stays_float_and_is_logged(tmp_path, caplog):
+    """blk.0.ffn_up in F16: layer 0's gate_up_proj is float (its Q4_1 ffn_gate dequantized), its
+    other products and layer 1 in blocks; the load says which quantized tensors were dequantized."""
+    path = _mixed_file(tmp_path, {"blk.0.ffn_up.weight": Q.F16}, seed=6)
     _, floats, _ = load_gguf(path, progress=False)
     with caplog.at_level(logging.WARNING, logger="models.gguf_loader"):
         config, native, _ = load_gguf(path, progress=False, native_blocks=True)
-    assert "mixed.gguf" in caplog.text and "1 Q2_K" in caplog.text
-    assert not isinstance(native["layers"][0]["down_proj"], QuantizedWeight)
-    assert all(isinstance(native["layers"][i][k], QuantizedWeight) for i in (0, 1) for k in SERVED[:3 + i])
+    assert "mixed.gguf" in caplog.text and "1 Q4_1 tensors dequantized" in caplog.text
+    assert not isinstance(native["layers"][0]["gate_up_proj"], QuantizedWeight)
+    assert all(isinstance(native["layers"][i][k], QuantizedWeight) for i in (0, 1) for k in SERVED
+               if (i, k) != (0, "gate_up_proj"))
     ids = jnp.arange(12) % config.vocab_size
     want = np.asarray(forward_dense(floats, config, ids))
     np.testing.assert_allclose(np.asarray(forward_dense(native, config, ids)), want, rtol=1e-5,
@@ -159,7 +161,7 @@ def test_a_product_in_q6_k_and_q4_k_layers_stacks_at_16_value_blocks(tmp_path):
     """A Q4_K_M-like file: layer 0's ffn_down Q6_K (16-value blocks), layer 1's Q4_K (32): both
     layers' down_proj load at 16 (the finest), dequantize to the float load's bit for bit, and
     stack on a layer axis with the float load's logits."""
-    path = _mixed_file(tmp_path, {0: Q.Q6_K, 1: Q.Q4_K}, seed=8)
+    path = _mixed_file(tmp_path, {"blk.0.ffn_down.weight": Q.Q6_K, "blk.1.ffn_down.weight": Q.Q4_K}, seed=8)
     _, floats, _ = load_gguf(path, progress=False)
     config, native, _ = load_gguf(path, progress=False, native_blocks=True)
     served = fuse_projections(floats)
@@ -172,6 +174,45 @@ def test_a_product_in_q6_k_and_q4_k_layers_stacks_at_16_value_blocks(tmp_path):
     forward = jax.jit(forward_dense, static_argnums=1)
     want = np.asarray(forward(floats, config, ids))
     np.testing.assert_allclose(np.asarray(forward(stacked, config, ids)), want, rtol=1e-5,
+                               atol=1e-5 * np.abs(want).max())
+
+
+# Q2_K and Q3_K among Q4_1 (the rest) and Q4_K: fused with 32-value parts (qkv: v; gate_up: gate
+# Q4_K), stacked over layers with them (down: Q2_K then Q4_K), permuted (attn_k), and a table.
+K23 = {"blk.0.attn_v.weight": Q.Q2_K, "blk.0.ffn_gate.weight": Q.Q4_K, "blk.0.ffn_up.weight": Q.Q3_K,
+       "blk.0.ffn_down.weight": Q.Q2_K, "blk.1.attn_k.weight": Q.Q3_K, "blk.1.attn_output.weight": Q.Q3_K,
+       "blk.1.ffn_gate.weight": Q.Q2_K, "blk.1.ffn_up.weight": Q.Q2_K, "blk.1.ffn_down.weight": Q.Q4_K,
+       "token_embd.weight": Q.Q3_K}
+
+
+def test_q2_k_and_q3_k_load_in_16_value_blocks_with_no_float_copy(tmp_path, caplog, monkeypatch):
+    """A file with Q2_K and Q3_K tensors (K23; every width 256): every served product and the
+    table are block weights at 16 values, dequantizing to the float load's (gguf.quants) bit for
+    bit; the native load dequantizes no quantized tensor (only the norms go through the float
+    path) and logs nothing; the stacked layers give the float load's logits."""
+    import models.gguf_loader as loader
+
+    config = dataclasses.replace(TINY, hidden_size=256, head_dim=64, intermediate_size=256)
+    path = _mixed_file(tmp_path, K23, seed=9, config=config)
+    _, floats, _ = load_gguf(path, progress=False)
+    read_as_float, dequantize = [], loader._dequantize
+    monkeypatch.setattr(loader, "_dequantize", lambda p, t: read_as_float.append(t.name) or dequantize(p, t))
+    with caplog.at_level(logging.WARNING, logger="models.gguf_loader"):
+        _, native, _ = load_gguf(path, progress=False, native_blocks=True)
+    assert read_as_float and all(name.endswith("norm.weight") for name in read_as_float)
+    assert not caplog.text
+    served = fuse_projections(floats)
+    for got, want in zip(native["layers"], served["layers"]):
+        for key in SERVED:  # each product has a Q2_K or Q3_K part in some layer: 16 in all
+            assert isinstance(got[key], QuantizedWeight) and got[key].block == 16, key
+            np.testing.assert_array_equal(np.asarray(got[key].dequantize()), np.asarray(want[key]))
+    embed = native["embed"]
+    assert isinstance(embed, QuantizedWeight) and embed.block == 16 and not np.any(np.asarray(embed.offset))
+    np.testing.assert_array_equal(np.asarray(embed.dequantize()), np.asarray(floats["embed"]))
+    ids = jnp.arange(12) % config.vocab_size
+    forward = jax.jit(forward_dense, static_argnums=1)
+    want = np.asarray(forward(floats, config, ids))
+    np.testing.assert_allclose(np.asarray(forward(stack_layers(native), config, ids)), want, rtol=1e-5,
                                atol=1e-5 * np.abs(want).max())
 
 
