@@ -3,7 +3,8 @@
 Layout (`ScaledCache`, one for K and one for V):
   values  [L, num_blocks, block_size, Hkv, D]  int8 (kv_cache_dtype "int8") or uint8 holding
           float8_e4m3fn bits ("fp8_e4m3")
-  scales  [L, num_blocks, block_size, Hkv]     uint16 holding bfloat16 bits
+  scales  [L, num_blocks, block_size, Hkv]     uint16 holding bfloat16 bits (the "token" layout;
+          the TPU's "page" layout: "Scale layouts" below)
 Both are integer arrays on purpose: XLA:CPU scatters integers in place, and converting a scattered
 bits array back to a float type copied the whole cache (kv_write.py); readers bitcast after the
 gather (free). Slots, blocks and the null block are those of the float cache (kv_write.py).
@@ -22,7 +23,7 @@ write is one scatter of the new rows (values and scales) and no block is ever re
 fills; a per-block scale would have to grow with the block's largest value (re-quantizing the
 block's earlier tokens, or clipping them). Its cost is the scales' bytes: 2 per token and kv
 head, 3 % of an 8-bit token of head_dim 64 (KV bytes per token 0.52x bfloat16's, blocks that fit
-1.94x; head_dim 128: 0.51x, 1.97x).
+1.94x; head_dim 128: 0.51x, 1.97x); the page layout's padded rows cost more (models/kv_bytes.py).
 
 Backends: all three read and write it. The xla path dequantizes after each page gather (xla.py
 PagedKV); write_kv scatters values and scales on the xla and pallas_gpu paths, and on pallas_tpu
@@ -31,6 +32,7 @@ writes them with a Mosaic kernel (tpu_kv_write.py). The Pallas attention kernels
 `values_to_float32` and `scales_to_float32`: integer and float32 operations and same-width
 bitcasts only, so no target needs an fp8 type (Triton's float8_e4m3fn conversion aborts the
 compiler below sm_89): e4m3 is decoded from its bits.
+
 Scale layouts (`ScaledCache.layout`, SCALE_LAYOUTS; chosen by the attention backend, `scale_layout`):
   "token"  the scales above, one uint16 row of Hkv per token: what the xla and pallas_gpu paths
            gather with the values' rows.

@@ -6,7 +6,8 @@ halves compile every bucket at start-up, so nothing compiles while serving:
 - `KVGather` (the prefill pool): `k[:, ids]`, `v[:, ids]` -> [L, n, block_size, Hkv, D] each, in the
   source cache's sharding (split on KV heads under tensor parallelism); padding gathers block 0.
   An 8-bit cache (pallas_kernels/kv_quant.py ScaledCache) moves its values and its per-token
-  scales ([L, n, block_size, Hkv]) alike: every function here maps over the cache's arrays.
+  scales ([L, n, block_size, Hkv]; the TPU's rows per page [L, n, W]) alike: every function here
+  maps over the cache's arrays, blocks on axis 1.
 - `KVScatter` (the decode pool): writes such arrays into its cache (donated, so in place); padded
   positions carry an out-of-range block id and are dropped.
 
