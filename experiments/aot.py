@@ -82,7 +82,8 @@ def report(build: Build, model: ModelConfig, config: EngineConfig) -> dict:
         "hbm_bytes": build.hbm_bytes, "usable_bytes": build.usable_bytes, "fits": build.fits,
         "per_device_bytes": {"weights": build.weights_bytes, "kv_cache": build.kv_cache_bytes,
                              "request_table": build.table_bytes, "temp": build.temp_bytes,
-                             "draft": build.draft_bytes, "total": build.total_bytes},
+                             "draft": build.draft_bytes, "total": build.total_bytes,
+                             "cache_copies": build.cache_copy_bytes},
         "max_kv_blocks": build.max_kv_blocks,
         "max_kv_tokens": max(0, build.max_kv_blocks - 1) * build.block_size,
         "buckets": buckets,
@@ -105,6 +106,9 @@ def format_report(r: dict) -> str:
         f"  total {d['total'] / GIB:.2f} GiB of {r['usable_bytes'] / GIB:.2f} GiB usable "
         f"({r['hbm_bytes'] / GIB:.2f} GiB HBM): {'FITS' if r['fits'] else 'DOES NOT FIT'}",
         f"  largest KV cache beside the rest: {r['max_kv_tokens']} tokens",
+        *([f"  XLA copies the KV cache around the kernels in each step: {d['cache_copies'] / 2**20:.1f} MiB of "
+           "the temporaries, growing with the pool (counted per block above; docs/tpu_gpu.md)"]
+          if d.get("cache_copies") else []),
         "  bucket      T     S     L  compile s   temp MiB   GFLOP/step  roofline ms   decode tok/s  "
         "capacity tok/s  collectives/layer",
         f"  (capacity tok/s: experiments.capacity's decode rate at context {r['max_model_len'] // 2})",

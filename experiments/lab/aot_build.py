@@ -47,6 +47,7 @@ from engine.step.step_inputs import BatchBuilder
 from experiments.lab.aot_results import (
     BucketResult,
     Build,
+    cache_copy_bytes,
     count_collectives,
     devices_for,
     nbytes,
@@ -251,14 +252,15 @@ def _compile_buckets(step, shapes: RunnerShapes, buckets, state, replicated, *, 
             flops = accessed = None
         roof = max(flops / peak, accessed / bandwidth) if flops is not None and accessed is not None else None
         decode = bucket.padded_tokens == bucket.padded_seqs and bucket.padded_logits == bucket.padded_seqs
-        inside, outside = count_collectives(compiled.as_text() or "")
+        text = compiled.as_text() or ""
+        inside, outside = count_collectives(text)
         if layer_loop == "unrolled":  # no loop body: the layers' collectives are all in the entry
             inside = {k: v / num_layers for k, v in outside.items()}
         results.append(BucketResult(
             bucket.padded_tokens, bucket.padded_seqs, bucket.padded_logits, seconds,
             int(mem.temp_size_in_bytes) if mem else 0, int(mem.generated_code_size_in_bytes) if mem else 0,
             flops, accessed, roof, bucket.padded_seqs / roof if roof and decode else None,
-            inside, outside, compiled))
+            inside, outside, compiled, cache_copy_bytes=cache_copy_bytes(text, state[1])))
         if progress:
             progress(f"  {label} T={bucket.padded_tokens:5d} S={bucket.padded_seqs:4d} "
                      f"L={bucket.padded_logits:4d}: compiled in {seconds:6.2f} s, "

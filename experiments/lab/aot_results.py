@@ -34,6 +34,9 @@ class BucketResult:
     executable: object = dataclasses.field(default=None, repr=False)
     error: str | None = None  # the compiler's refusal (out of memory), when it refused
     required_bytes: int | None = None  # what the refusing compiler said the program needs in all
+    # per device: copies of KV-cache-shaped arrays in the optimized program (`cache_copy_bytes`),
+    # temporaries that grow with the pool
+    cache_copy_bytes: int = 0
 
 
 def refused(bucket, seconds: float, message: str) -> BucketResult:
@@ -92,14 +95,41 @@ class Build:
         return not refused and self.num_blocks >= 2 and self.total_bytes <= self.usable_bytes
 
     @property
+    def cache_copy_bytes(self) -> int:
+        return max((b.cache_copy_bytes for b in self.buckets), default=0)
+
+    @property
     def max_kv_blocks(self) -> int:
         """The largest cache (blocks, with the null block) that fits beside the rest (a draft
-        model's cache has as many blocks as the target's)."""
+        model's cache has as many blocks as the target's). Copies of the cache in the programs
+        (`cache_copy_bytes`) are temporaries that grow with it: counted per block, not fixed."""
         d = self.draft
         draft_fixed = d["weights_bytes"] + d["table_bytes"] if d else 0
         draft_per_block = d["kv_cache_bytes"] // self.num_blocks if d else 0
-        free = self.usable_bytes - self.weights_bytes - self.table_bytes - self.temp_bytes - draft_fixed
-        return max(0, free // (self.kv_bytes_per_block + draft_per_block))
+        copies = self.cache_copy_bytes
+        fixed_temp = max(0, self.temp_bytes - copies)
+        free = self.usable_bytes - self.weights_bytes - self.table_bytes - fixed_temp - draft_fixed
+        per_block = self.kv_bytes_per_block + draft_per_block + copies / max(1, self.num_blocks)
+        return max(0, int(free // per_block))
+
+
+_HLO_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "s16": 2,
+                 "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+
+
+def cache_copy_bytes(hlo_text: str, kv_cache) -> int:
+    """Bytes of the copies in an optimized program (`compiled.as_text()`) whose result has the
+    per-device shape of one of the KV cache's arrays (values, or an 8-bit cache's scales): XLA
+    relaying the cache out between its entry layout and a kernel's (docs/tpu_gpu.md: the TPU at
+    2-3 kv heads a device), temporaries as large as the pool."""
+    shapes = {tuple(leaf.sharding.shard_shape(leaf.shape)) if leaf.sharding is not None else tuple(leaf.shape)
+              for leaf in jax.tree.leaves(kv_cache)}
+    total = 0
+    for m in re.finditer(r"= (\w+)\[([\d,]*)\]\{[^}]*\} copy\(", hlo_text):
+        dims = tuple(int(x) for x in m.group(2).split(",") if x)
+        if dims in shapes:
+            total += int(np.prod(dims, dtype=np.int64)) * _HLO_ITEMSIZE.get(m.group(1), 4)
+    return total
 
 
 def nbytes(leaf) -> int:

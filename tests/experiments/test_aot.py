@@ -115,6 +115,32 @@ def test_collective_counting_reads_loop_bodies():
     assert inside["all-reduce"] == 2 and outside == {**outside, "all-gather": 1, "all-reduce": 0}
 
 
+def test_cache_copies_are_read_from_the_program_and_grow_with_the_pool():
+    """cache_copy_bytes counts the copies whose result has a cache array's per-device shape (the
+    layout suffix and other shapes ignored); Build.max_kv_blocks then charges them per block."""
+    import jax
+    import numpy as np
+
+    from experiments.lab.aot_results import Build, cache_copy_bytes
+
+    kv = (jax.ShapeDtypeStruct((2, 64, 16, 3, 8), np.dtype("bfloat16")),
+          jax.ShapeDtypeStruct((2, 64, 16, 3), np.uint16))
+    hlo = "\n".join([
+        "  %c.1 = bf16[2,64,16,3,8]{1,4,3,2,0:T(8,128)(2,1)} copy(%kv_cache_0_.1), backend_config={}",
+        "  %c.2 = u16[2,64,16,3]{3,2,1,0:T(8,128)} copy(%p), metadata={}",
+        "  %c.3 = bf16[2,64,16,3,8]{4,3,2,1,0} fusion(%x), kind=kLoop",  # not a copy
+        "  %c.4 = f32[16,3,8]{2,1,0} copy(%y)",  # not the cache's shape
+    ])
+    assert cache_copy_bytes(hlo, kv) == 2 * 64 * 16 * 3 * 8 * 2 + 2 * 64 * 16 * 3 * 2
+    mib = 2**20
+    build = Build("v5e-1", "tpu", "bfloat16", "pallas_tpu", "scan", 1, 128, 16, 100, 100 * mib, 90 * mib,
+                  10 * mib, 100 * mib, 0, mib, buckets=[])
+    assert build.max_kv_blocks == 80 - 0  # 80 MiB free beside weights (no temporaries), 1 MiB a block
+    build.buckets = [type("B", (), {"temp_bytes": 30 * mib, "cache_copy_bytes": 20 * mib})()]
+    # 10 MiB of temporaries stay fixed; the 20 MiB of copies are 0.2 MiB per block of 100
+    assert build.max_kv_blocks == int(70 * mib // (1.2 * mib))
+
+
 def test_gguf_quantization_is_refused_by_name():
     config = EngineConfig(model="random:tiny", quantization="gguf", **SMALL)
     with pytest.raises(ValueError, match="quantization=gguf serves a GGUF file's own blocks"):
@@ -141,6 +167,31 @@ def test_small_model_step_compiles_for_a_tpu_topology_at_tp2():
         assert bucket.flops and bucket.roofline_step_s  # XLA:TPU's cost analysis answers
     r = aot.report(build, TINY, config)
     assert abs(r["capacity_prediction"]["weights_ratio"] - 1) < 0.05
+
+
+@pytest.mark.aot
+@pytest.mark.usefixtures("no_persistent_cache")
+def test_the_report_names_the_tpus_copies_of_a_cache_of_three_kv_heads():
+    """At 3 kv heads a device XLA:TPU lays the cache parameter out on its own and copies it for
+    the Mosaic kernels around each step (docs/tpu_gpu.md): the build counts those copies (as large
+    as the pool's values) and charges them per block; at 8 kv heads of 128 lanes (Llama-3-8B's
+    attention shape on a tiny model) there are none."""
+    import dataclasses
+
+    gqa3 = preset_config("tiny-gqa3")
+    config = EngineConfig(model="random:tiny-gqa3", num_kv_blocks=64, **SMALL)
+    build = compile_for_target(config, gqa3, "v5e-1", roofline=False, progress=None)
+    assert build.attention_backend == "pallas_tpu"
+    assert build.cache_copy_bytes >= build.kv_cache_bytes
+    fixed = build.usable_bytes - build.weights_bytes - build.table_bytes - (build.temp_bytes - build.cache_copy_bytes)
+    assert build.max_kv_blocks < fixed // build.kv_bytes_per_block
+    r = aot.report(build, gqa3, config)
+    assert r["per_device_bytes"]["cache_copies"] == build.cache_copy_bytes
+    assert "XLA copies the KV cache around the kernels" in aot.format_report(r)
+    wide = dataclasses.replace(TINY, num_heads=8, num_kv_heads=8, head_dim=128)
+    aligned = compile_for_target(EngineConfig(model="random:tiny", num_kv_blocks=64, **SMALL), wide, "v5e-1",
+                                 roofline=False, progress=None)
+    assert aligned.cache_copy_bytes == 0 and aligned.temp_bytes < aligned.kv_cache_bytes
 
 
 @pytest.mark.aot
