@@ -83,7 +83,8 @@ def report(build: Build, model: ModelConfig, config: EngineConfig) -> dict:
         "per_device_bytes": {"weights": build.weights_bytes, "kv_cache": build.kv_cache_bytes,
                              "request_table": build.table_bytes, "temp": build.temp_bytes,
                              "draft": build.draft_bytes, "total": build.total_bytes,
-                             "cache_copies": build.cache_copy_bytes},
+                             "cache_copies": build.cache_copy_bytes,
+                             "kv_cache_laid_out": build.kv_cache_laid_out_bytes or build.kv_cache_bytes},
         "max_kv_blocks": build.max_kv_blocks,
         "max_kv_tokens": max(0, build.max_kv_blocks - 1) * build.block_size,
         "buckets": buckets,
@@ -106,6 +107,10 @@ def format_report(r: dict) -> str:
         f"  total {d['total'] / GIB:.2f} GiB of {r['usable_bytes'] / GIB:.2f} GiB usable "
         f"({r['hbm_bytes'] / GIB:.2f} GiB HBM): {'FITS' if r['fits'] else 'DOES NOT FIT'}",
         f"  largest KV cache beside the rest: {r['max_kv_tokens']} tokens",
+        *([f"  the kernels' layout pads the KV cache to {d['kv_cache_laid_out'] / GIB:.2f} GiB "
+           f"({d['kv_cache_laid_out'] / d['kv_cache']:.2f}x its values and scales): counted in the total and "
+           "the largest cache (docs/tpu_gpu.md)"]
+          if d.get("kv_cache_laid_out", 0) > 1.001 * d["kv_cache"] else []),
         *([f"  XLA copies the KV cache around the kernels in each step: {d['cache_copies'] / 2**20:.1f} MiB of "
            "the temporaries, growing with the pool (counted per block above; docs/tpu_gpu.md)"]
           if d.get("cache_copies") else []),
@@ -173,7 +178,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("max_lora_rank", 16, "With --enable_lora: the slots' rank.")
     flags.DEFINE_string("lora_product", None, "With --enable_lora: gather, ragged or masked (models/lora.py); "
                         "default: the target platform's.")
-    flags.DEFINE_bool("roofline", True, "On TPU, also compile each bucket unrolled at one and two layer "
+    flags.DEFINE_bool("roofline", True, "On TPU, also compile each bucket unrolled at two and three layer "
                       "periods: FLOPs and bytes of every layer (XLA's cost analysis counts a scan's body "
                       "once); about doubles the compile time.")
     flags.DEFINE_string("output_json", "", "Write the report here.")

@@ -49,6 +49,14 @@ def block_buckets(max_blocks: int) -> tuple[int, ...]:
     return tuple(sorted({min(1 << i, max_blocks) for i in range(max_blocks.bit_length() + 1)}))
 
 
+def cache_formats(runner):
+    """The runner's pinned cache formats (ModelRunner.cache_formats: the TPU), chosen by compiling
+    its smallest bucket if none is compiled yet; None where the layout is not pinned."""
+    if getattr(runner, "pins_cache", False) and runner.cache_formats is None:
+        runner.compile_all(progress=False, buckets=runner.shapes.all_buckets()[:1])
+    return getattr(runner, "cache_formats", None)
+
+
 def gather_blocks(k, v, ids):
     """Blocks `ids` of every layer: k[:, ids], v[:, ids] (KVGather's program; each array of an
     8-bit cache alike)."""
@@ -85,7 +93,10 @@ class KVGather:
         self.block_bytes = sum(a.dtype.itemsize * a.size // a.shape[1] for a in arrays)  # K and V (and scales)
         # Out in the cache's own sharding (split on KV heads under TP), as the decode cache is:
         # a pull from another process asks for exactly that layout, shard by shard.
-        self._gather = jax.jit(gather_blocks, out_shardings=jax.tree.map(lambda a: a.sharding, runner.kv_cache))
+        formats = cache_formats(runner)  # the TPU's pinned layout: read in it
+        pinned = {} if formats is None else {"in_shardings": (*formats, self._ids)}
+        self._gather = jax.jit(gather_blocks, out_shardings=jax.tree.map(lambda a: a.sharding, runner.kv_cache),
+                               **pinned)
         for n in buckets:
             jax.block_until_ready(self.gather(np.zeros(n, np.int32)))
 
@@ -108,7 +119,10 @@ class KVScatter:
         self._ids = _replicated_like(jax.tree.leaves(cache)[0])
         self.num_blocks = jax.tree.leaves(cache)[0].shape[1]
         self._template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), cache)
-        self._scatter = jax.jit(scatter_blocks, donate_argnums=(0, 1), out_shardings=self.shardings)
+        formats = cache_formats(runner)  # the TPU's pinned layout: kept in place
+        pinned = {} if formats is None else {"in_shardings": (*formats, None, None, self._ids)}
+        self._scatter = jax.jit(scatter_blocks, donate_argnums=(0, 1), out_shardings=formats or self.shardings,
+                                **pinned)
         for n in buckets:  # all-padding writes change nothing
             zeros = jax.tree.map(lambda s: jax.device_put(np.zeros(s.shape, s.dtype), s.sharding), self.abstract(n))
             self.write([], *zeros)

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from engine.step import program
 from engine.step.buckets import Bucket, RunnerShapes
 from engine.step.kv_cache import allocate_kv_cache, cache_groups
 from engine.step.placement import Placement
@@ -131,6 +132,10 @@ class ModelRunner:
         self.hidden: jax.Array | None = None
         self.hidden_rows: dict[str, int] = {}
         self._compiled: dict[Bucket, object] = {}
+        # TPU: the cache's layout pinned to the kernels' (program.pins_cache_layout), chosen by the
+        # first compile; the cache moves into it once, every other bucket is compiled for it.
+        self.pins_cache = program.pins_cache_layout(attention_backend)
+        self.cache_formats = None
         # Loaded instead of compiled (engine/step/executables.py, checked against a manifest).
         self._loaded: dict[Bucket, object] = dict(executables or {})
         self._idle_masks: dict[Bucket, jax.Array] = {}
@@ -185,11 +190,13 @@ class ModelRunner:
         todo = [b for b in (buckets or self.shapes.all_buckets()) if b not in self._compiled]
         if not todo:
             return
-        workers = max(1, min(len(todo), workers or os.cpu_count() or 1))
-        bar = tqdm(total=len(todo), desc="compiling buckets", unit="bucket", disable=not progress,
-                   leave=False)
+        if self.pins_cache and self.cache_formats is None:  # one compile chooses the cache's layout
+            self._compiled[todo[0]] = self._compile(todo[0])
+        rest = [b for b in todo if b not in self._compiled]
+        workers = max(1, min(len(rest), workers or os.cpu_count() or 1))
+        bar = tqdm(total=len(rest), desc="compiling buckets", unit="bucket", disable=not progress, leave=False)
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compile") as pool:
-            futures = {pool.submit(self._compile, bucket): bucket for bucket in todo}
+            futures = {pool.submit(self._compile, bucket): bucket for bucket in rest}
             for future in concurrent.futures.as_completed(futures):
                 self._compiled[futures[future]] = future.result()
                 bar.update()
@@ -256,12 +263,15 @@ class ModelRunner:
         return self._compiled[bucket]
 
     def _compile(self, bucket: Bucket):
-        if bucket in self._loaded:
-            return self._loaded.pop(bucket)
-        return self._lower(bucket).compile()
+        compiled = self._loaded.pop(bucket) if bucket in self._loaded else self._lower(bucket).compile()
+        if self.pins_cache and self.cache_formats is None:  # the live cache moves into it, before any step
+            self.cache_formats, self.kv_cache = program.pin_cache_layout(self.kv_cache, compiled)
+        return compiled
 
     def _lower(self, bucket: Bucket):
-        return lower_bucket(self._step, self.builder, bucket, self._abstract_state, self._input_sharding)
+        formats = (self.cache_formats or "auto") if self.pins_cache else None
+        return lower_bucket(self._step, self.builder, bucket, self._abstract_state, self._input_sharding,
+                            cache_formats=formats)
 
     @functools.cached_property
     def _abstract_state(self):

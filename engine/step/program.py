@@ -12,16 +12,19 @@ compiled for a target is what the server compiles:
    a stacked loop; padded and fused per shard on a mesh), traced with `jax.eval_shape`, so
    nothing the size of the model is allocated.
 3. `kv_cache_spec` (kv_cache.py) and `table_state_spec`: the cache's and the request table's.
-4. `lower_bucket`: one bucket's step lowered against that state, the cache and the table donated.
+4. `lower_bucket`: one bucket's step lowered against that state, the cache and the table donated
+   (on the TPU the cache's layout pinned to the kernels', `pins_cache_layout`).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.layout import Format, Layout
 
 from engine.step.buckets import Bucket, RunnerShapes
 from engine.step.placement import Placement
@@ -93,11 +96,70 @@ def make_step(config: ModelConfig, shapes: RunnerShapes, *, attention_backend: s
                              num_speculative_tokens=shapes.logits_per_seq - 1, hidden_rows=hidden_rows)
 
 
-def lower_bucket(step, builder: BatchBuilder, bucket: Bucket, abstract_state, input_sharding=None):
-    """The bucket's step lowered against (params, kv_cache, table) shapes; cache and table donated."""
+def pins_cache_layout(attention_backend: str) -> bool:
+    """Whether the steps pin the KV cache's layout to the kernels' (`lower_bucket` cache_formats):
+    on the TPU, where XLA otherwise gives the cache parameter a layout of its own whenever its
+    minor dims do not fill a tile (2-3 kv heads, head_dim 64) and copies the whole cache into the
+    Mosaic kernels' layout at each step's entry and back at its exit (docs/tpu_gpu.md)."""
+    return attention_backend == "pallas_tpu"
+
+
+def auto_cache_formats(abstract_cache):
+    """The cache's formats with the layout left to XLA (`Layout.AUTO`), on each array's sharding:
+    the first bucket's compile picks the kernels' layout, and its `input_formats` are then the
+    cache's (ModelRunner allocates the cache in them; every later bucket is compiled for them)."""
+    return jax.tree.map(lambda leaf: Format(Layout.AUTO, leaf.sharding), abstract_cache)
+
+
+def laid_out_bytes(shape, dtype, fmt) -> int:
+    """Bytes an array of `shape` takes in the device layout `fmt` (a jax Format; None: dense):
+    its dims in the layout's major-to-minor order, the minor ones padded to the first tile (a
+    TPU's (sublanes, 128 lanes)). On the TPU the kernels' cache layout pads a small kv-head count
+    and a head_dim under 128 (the default model's [.., 3, 64] in (4, 128) tiles: 2.67x)."""
+    layout = getattr(fmt, "layout", None)
+    dims = [int(d) for d in shape]
+    tiling = getattr(layout, "tiling", None) or ()
+    if layout is not None and getattr(layout, "major_to_minor", None) is not None:
+        dims = [dims[i] for i in layout.major_to_minor]
+    if tiling and tiling[0] and len(tiling[0]) <= len(dims):
+        tile = tiling[0]
+        dims[-len(tile):] = [-(-d // t) * t for d, t in zip(dims[-len(tile):], tile)]
+    return int(np.prod(dims, dtype=np.int64)) * np.dtype(dtype).itemsize
+
+
+def pin_cache_layout(kv_cache, compiled):
+    """(formats, the cache moved into them): the cache's layout as `compiled` (a bucket's step
+    compiled with "auto" formats) takes it. Warns when that layout pads the cache: the pool was
+    sized by its values' and scales' bytes (engine/step/kv_cache.py), not by the padded ones."""
+    formats = compiled.input_formats[0][1]
+    leaves = jax.tree.leaves(kv_cache)
+    shapes = [a.sharding.shard_shape(a.shape) for a in leaves]
+    plain = sum(int(np.prod(s, dtype=np.int64)) * a.dtype.itemsize for a, s in zip(leaves, shapes))
+    laid = sum(laid_out_bytes(s, a.dtype, f) for a, s, f in
+               zip(leaves, shapes, jax.tree.leaves(formats, is_leaf=lambda x: isinstance(x, Format)), strict=True))
+    if laid > 1.05 * plain:
+        logging.warning("jaxserve: the TPU kernels' layout pads the KV cache to %.2f GiB per device, %.2fx its "
+                        "%.2f GiB of values and scales, which sized the pool: lower kv_cache_memory_fraction or "
+                        "num_kv_blocks if it does not fit (docs/tpu_gpu.md)", laid / 2**30, laid / plain, plain / 2**30)
+    return formats, jax.device_put(kv_cache, formats)
+
+
+def lower_bucket(step, builder: BatchBuilder, bucket: Bucket, abstract_state, input_sharding=None,
+                 cache_formats=None):
+    """The bucket's step lowered against (params, kv_cache, table) shapes; cache and table donated.
+    cache_formats (`pins_cache_layout`): the cache's input and output formats, "auto"
+    (`auto_cache_formats`) or the concrete ones a compile chose (equal in and out: the donated
+    cache stays in place)."""
+    if isinstance(cache_formats, str) and cache_formats == "auto":
+        cache_formats = auto_cache_formats(abstract_state[1])
     layout = builder.layout(bucket.padded_tokens, bucket.padded_seqs, bucket.padded_logits)
     lora = {} if bucket.lora_rank is None else {"lora_rank": bucket.lora_rank}
-    jitted = jax.jit(functools.partial(step, layout=layout, **lora), donate_argnums=(1, 2))
+    pinned = {}
+    if cache_formats is not None:
+        outputs = 4 if step.keywords.get("hidden_rows") else 3  # (kv_cache, table, packed[, hidden])
+        pinned = dict(in_shardings=(None, cache_formats, None, None, None),
+                      out_shardings=(cache_formats, *(None,) * (outputs - 1)))
+    jitted = jax.jit(functools.partial(step, layout=layout, **lora), donate_argnums=(1, 2), **pinned)
     flat = jax.ShapeDtypeStruct((layout.size,), np.int32, sharding=input_sharding)
     mask = jax.ShapeDtypeStruct(layout.mask.shape, np.int32, sharding=input_sharding)
     return jitted.lower(*abstract_state, flat, mask)

@@ -42,7 +42,13 @@ from engine.step.kv_cache import (
 )
 from engine.step.mesh import replica_meshes
 from engine.step.placement import Placement
-from engine.step.program import lower_bucket, make_step, served_params_spec, table_state_spec
+from engine.step.program import (
+    lower_bucket,
+    make_step,
+    pins_cache_layout,
+    served_params_spec,
+    table_state_spec,
+)
 from engine.step.step_inputs import BatchBuilder
 from experiments.lab.aot_results import (
     BucketResult,
@@ -50,6 +56,7 @@ from experiments.lab.aot_results import (
     cache_copy_bytes,
     count_collectives,
     devices_for,
+    kv_bytes_as_laid_out,
     nbytes,
     refused,
     target_figures,
@@ -152,7 +159,7 @@ def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: st
                                tables=cache_groups(model, shapes.num_blocks, shapes.num_sliding_blocks)[2],
                                num_layers=model.num_layers, peak=peak, bandwidth=bandwidth,
                                cost_model=cost_model, progress=progress,
-                               own_cost=layer_loop == "unrolled" or platform != "tpu")
+                               own_cost=layer_loop == "unrolled" or platform != "tpu", pin_cache=pins_cache_layout(backend))
     draft = None
     if drafting == "draft_model":
         draft = _draft_model_programs(draft_model, shapes, dtype=dtype, backend=backend, layer_loop=layer_loop,
@@ -170,7 +177,7 @@ def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: st
         num_blocks=num_blocks, hbm_bytes=hbm, usable_bytes=usable, weights_bytes=weights,
         kv_cache_bytes=tree_bytes_per_device(kv_state), table_bytes=tree_bytes_per_device(table),
         kv_bytes_per_block=per_block, buckets=results, shapes=shapes, manifest=meta,
-        transfers=transfers, draft=draft)
+        transfers=transfers, draft=draft, kv_cache_laid_out_bytes=kv_bytes_as_laid_out(results, kv_state))
 
 
 def _abstract_params(model: ModelConfig, dtype: str, layer_loop: str, placement, device, *,
@@ -225,15 +232,20 @@ def _kv_state(kv_config: ModelConfig, shapes: RunnerShapes, dtype: str, backend:
 
 def _compile_buckets(step, shapes: RunnerShapes, buckets, state, replicated, *, layer_loop: str,
                      num_layers: int, peak: float, bandwidth: float, cost_model=None, progress=print,
-                     label: str = "bucket", own_cost: bool = True, tables: str = "global") -> list[BucketResult]:
+                     label: str = "bucket", own_cost: bool = True, tables: str = "global",
+                     pin_cache: bool = False) -> list[BucketResult]:
+    """Each bucket's step compiled as the runner compiles it (pin_cache: the cache's layout chosen
+    by the first compile, then pinned for the rest, as ModelRunner does on the TPU)."""
     builder = BatchBuilder(max_blocks_per_seq=shapes.max_blocks_per_seq, block_size=shapes.block_size,
                            vocab_size=shapes.sample_vocab_size, tables=tables)
-    results = []
+    results, formats = [], "auto" if pin_cache else None
     for bucket in buckets:
         start = time.perf_counter()
-        lowered = lower_bucket(step, builder, bucket, state, replicated)
+        lowered = lower_bucket(step, builder, bucket, state, replicated, cache_formats=formats)
         try:
             compiled = lowered.compile()
+            if pin_cache and formats == "auto":
+                formats = compiled.input_formats[0][1]
         except Exception as e:  # XLA:TPU refuses a program that does not fit its HBM
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
@@ -279,14 +291,15 @@ def _cost(compiled) -> tuple[float | None, float | None]:
 class _LayerCost:
     """FLOPs and bytes of a step over all its layers. XLA's cost analysis counts a while loop's
     body once, whatever its trip count, so the scanned step's own figures hold one layer: the
-    step is compiled again unrolled with p and 2p layers (p: the layer pattern's period) and the
-    difference, one period's cost, is extrapolated to the model's layer count."""
+    step is compiled again unrolled with 2p and 3p layers (p: the layer pattern's period) and the
+    difference, one period's cost, is extrapolated to the model's layer count. (Not p and 2p: with
+    the cache's layout pinned, program.pins_cache_layout, a one-layer stacked cache is laid out
+    unlike a deeper one, and the bytes extrapolated from it were 21 % over the full program's.)"""
 
     def __init__(self, model, shapes, backend, dtype, placement_for, device, quant):
-        self.period = model.layer_period
-        self.num_layers = model.num_layers
+        self.period, self.num_layers, self.backend = model.layer_period, model.num_layers, backend
         self.variants = []
-        for n in (self.period, 2 * self.period):
+        for n in (2 * self.period, 3 * self.period):  # (one layer's stacked cache lays out unlike the rest)
             small = dataclasses.replace(model, num_layers=n,
                                         layer_types=model.layer_types[:n] if model.layer_types else None)
             placement = placement_for(small)
@@ -304,12 +317,13 @@ class _LayerCost:
     def cost(self, bucket, builder) -> tuple[float | None, float | None]:
         figures = []
         for step, state, replicated in self.variants:
-            f, b = _cost(lower_bucket(step, builder, bucket, state, replicated).compile())
+            formats = "auto" if pins_cache_layout(self.backend) else None  # as the runner compiles it
+            f, b = _cost(lower_bucket(step, builder, bucket, state, replicated, cache_formats=formats).compile())
             if f is None or b is None:
                 return None, None
             figures.append((f, b))
         (f1, b1), (f2, b2) = figures
-        periods = (self.num_layers - self.period) / self.period
+        periods = (self.num_layers - 2 * self.period) / self.period
         return f1 + periods * (f2 - f1), b1 + periods * (b2 - b1)
 
 
@@ -329,7 +343,8 @@ def _draft_model_programs(draft: ModelConfig, shapes: RunnerShapes, *, dtype, ba
                      placement=None, keep_hidden=False)
     results = _compile_buckets(step, draft_shapes, draft_shapes.all_buckets(), (params, (kv, kv), table),
                                replicated, layer_loop=layer_loop, num_layers=draft.num_layers, peak=peak,
-                               bandwidth=bandwidth, progress=progress, label="draft bucket")
+                               bandwidth=bandwidth, progress=progress, label="draft bucket",
+                               pin_cache=pins_cache_layout(backend))
     return {"method": "draft_model", "model": draft.name,
             "weights_bytes": tree_bytes_per_device(params), "kv_cache_bytes": 2 * nbytes(kv),
             "table_bytes": tree_bytes_per_device(table),

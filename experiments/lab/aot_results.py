@@ -73,6 +73,16 @@ class Build:
     # speculative decoding's draft (draft_model: its runner; draft_head: its chain), when there is
     # one: method, weights_bytes, kv_cache_bytes, table_bytes, programs (each with compile_s, temp_bytes)
     draft: dict | None = None
+    # per device, the cache as the compiled steps lay it out (`kv_bytes_as_laid_out`; the TPU's
+    # tiles pad a small kv-head count and a head_dim under 128); None: as kv_cache_bytes
+    kv_cache_laid_out_bytes: int | None = None
+
+    @property
+    def kv_layout_factor(self) -> float:
+        """The cache's bytes as laid out over its values' and scales' (1.0: no padding)."""
+        if not self.kv_cache_laid_out_bytes or not self.kv_cache_bytes:
+            return 1.0
+        return self.kv_cache_laid_out_bytes / self.kv_cache_bytes
 
     @property
     def temp_bytes(self) -> int:
@@ -86,7 +96,8 @@ class Build:
 
     @property
     def total_bytes(self) -> int:
-        return self.weights_bytes + self.kv_cache_bytes + self.table_bytes + self.temp_bytes + self.draft_bytes
+        kv = self.kv_cache_laid_out_bytes or self.kv_cache_bytes
+        return self.weights_bytes + kv + self.table_bytes + self.temp_bytes + self.draft_bytes
 
     @property
     def fits(self) -> bool:
@@ -109,8 +120,26 @@ class Build:
         copies = self.cache_copy_bytes
         fixed_temp = max(0, self.temp_bytes - copies)
         free = self.usable_bytes - self.weights_bytes - self.table_bytes - fixed_temp - draft_fixed
-        per_block = self.kv_bytes_per_block + draft_per_block + copies / max(1, self.num_blocks)
+        per_block = (self.kv_bytes_per_block * self.kv_layout_factor + draft_per_block
+                     + copies / max(1, self.num_blocks))
         return max(0, int(free // per_block))
+
+
+def kv_bytes_as_laid_out(buckets: list[BucketResult], kv_state) -> int | None:
+    """Per device, the cache's bytes in the layout the first compiled bucket takes it in (its
+    input formats: on the TPU the kernels' layout the runner pins, engine/step/program.py)."""
+    from jax.experimental.layout import Format
+
+    from engine.step.program import laid_out_bytes
+
+    for b in buckets:
+        if b.executable is None:
+            continue
+        formats = jax.tree.leaves(b.executable.input_formats[0][1], is_leaf=lambda x: isinstance(x, Format))
+        leaves = jax.tree.leaves(kv_state)
+        return sum(laid_out_bytes(leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape,
+                                  leaf.dtype, f) for leaf, f in zip(leaves, formats, strict=True))
+    return None
 
 
 _HLO_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "s16": 2,

@@ -99,3 +99,37 @@ def test_a_decode_pool_in_another_process_pulls_the_scales_too(pd8):
     finally:
         proc.kill()
         proc.wait()
+
+
+
+def test_the_handover_reads_and_writes_a_pinned_cache_in_its_layout():
+    """A runner that pins its cache's layout (ModelRunner.cache_formats: the TPU's steps; here the
+    formats a jit with Layout.AUTO gives on the CPU) hands KVGather and KVScatter those formats:
+    the gather reads the blocks, the scatter writes them in place and leaves the cache in them.
+    (The engines themselves on the TPU kernel cannot run here: TPU interpret mode's shared memory
+    is one per process, and the two pools step on two threads.)"""
+    import types
+
+    import jax.numpy as jnp
+    from jax.experimental.layout import Format, Layout
+
+    from engine.disaggregation.kv_transfer import KVGather, KVScatter
+    from pallas_kernels.kv_quant import allocate_scaled, as_page_layout
+
+    shape = (2, 6, 4, 2, 8)
+    cache = (as_page_layout(allocate_scaled(shape, "int8")), as_page_layout(allocate_scaled(shape, "int8")))
+    auto = jax.tree.map(lambda _: Format(Layout.AUTO), cache)
+    sds = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), cache)
+    formats = jax.jit(lambda c: c, in_shardings=(auto,), out_shardings=auto).lower(sds).compile().input_formats[0][0]
+    rng = np.random.default_rng(0)
+    filled = jax.tree.map(lambda a: jnp.asarray(rng.integers(0, 100, a.shape), a.dtype), cache)
+    source = types.SimpleNamespace(pins_cache=True, cache_formats=formats, kv_cache=jax.device_put(filled, formats))
+    dest = types.SimpleNamespace(pins_cache=True, cache_formats=formats, kv_cache=jax.device_put(cache, formats))
+    gather, scatter = KVGather(source, (1, 2, 4)), KVScatter(dest, (1, 2, 4))
+    k, v = gather.gather(np.array([3, 1], np.int32))
+    scatter.write([5, 2], k, v)
+    for got, want in zip(jax.tree.leaves(dest.kv_cache), jax.tree.leaves(filled)):
+        got, want = np.asarray(got), np.asarray(want)
+        np.testing.assert_array_equal(got[:, [5, 2]], want[:, [3, 1]])
+        assert not got[:, [0, 1, 3, 4]].any()  # the other blocks untouched
+    assert [a.format for a in jax.tree.leaves(dest.kv_cache)] == list(jax.tree.leaves(formats))

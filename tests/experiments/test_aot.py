@@ -171,27 +171,34 @@ def test_small_model_step_compiles_for_a_tpu_topology_at_tp2():
 
 @pytest.mark.aot
 @pytest.mark.usefixtures("no_persistent_cache")
-def test_the_report_names_the_tpus_copies_of_a_cache_of_three_kv_heads():
-    """At 3 kv heads a device XLA:TPU lays the cache parameter out on its own and copies it for
-    the Mosaic kernels around each step (docs/tpu_gpu.md): the build counts those copies (as large
-    as the pool's values) and charges them per block; at 8 kv heads of 128 lanes (Llama-3-8B's
-    attention shape on a tiny model) there are none."""
+def test_the_tpu_steps_pin_the_cache_layout_and_unpinned_copies_are_named(monkeypatch):
+    """3 kv heads of 64 lanes (the default model's attention shape on a tiny model): XLA:TPU would
+    lay the cache parameter out on its own and copy it for the Mosaic kernels around each step
+    (docs/tpu_gpu.md). As the runner compiles the steps (the layout chosen by the first compile,
+    then pinned: program.pins_cache_layout) they hold no such copy, and the build counts the cache
+    as the kernels lay it out (padded: (3, 64) in (4, 128) tiles, 2.67x); unpinned (the rule
+    patched off), the build counts the copies, charges them per block (a smaller largest cache
+    than pinned) and the report names them."""
     import dataclasses
 
-    gqa3 = preset_config("tiny-gqa3")
-    config = EngineConfig(model="random:tiny-gqa3", num_kv_blocks=64, **SMALL)
-    build = compile_for_target(config, gqa3, "v5e-1", roofline=False, progress=None)
-    assert build.attention_backend == "pallas_tpu"
-    assert build.cache_copy_bytes >= build.kv_cache_bytes
+    from experiments.lab import aot_build
+
+    model = dataclasses.replace(preset_config("tiny-gqa3"), head_dim=64)
+    config = EngineConfig(model="random:tiny-gqa3", num_kv_blocks=256, **SMALL)
+    pinned = compile_for_target(config, model, "v5e-1", roofline=False, progress=None)
+    assert pinned.attention_backend == "pallas_tpu" and pinned.cache_copy_bytes == 0
+    assert pinned.kv_layout_factor == pytest.approx(8 / 3)  # 4 x 128 lanes hold 3 x 64 values
+    r = aot.report(pinned, model, config)
+    assert r["per_device_bytes"]["kv_cache_laid_out"] == pinned.kv_cache_laid_out_bytes
+    assert "the kernels' layout pads the KV cache" in aot.format_report(r)
+    monkeypatch.setattr(aot_build, "pins_cache_layout", lambda backend: False)
+    build = compile_for_target(config, model, "v5e-1", roofline=False, progress=None)
+    assert build.cache_copy_bytes >= build.kv_cache_bytes and build.kv_layout_factor == 1.0
     fixed = build.usable_bytes - build.weights_bytes - build.table_bytes - (build.temp_bytes - build.cache_copy_bytes)
-    assert build.max_kv_blocks < fixed // build.kv_bytes_per_block
-    r = aot.report(build, gqa3, config)
+    assert build.max_kv_blocks < fixed // build.kv_bytes_per_block and build.max_kv_blocks < pinned.max_kv_blocks
+    r = aot.report(build, model, config)
     assert r["per_device_bytes"]["cache_copies"] == build.cache_copy_bytes
     assert "XLA copies the KV cache around the kernels" in aot.format_report(r)
-    wide = dataclasses.replace(TINY, num_heads=8, num_kv_heads=8, head_dim=128)
-    aligned = compile_for_target(EngineConfig(model="random:tiny", num_kv_blocks=64, **SMALL), wide, "v5e-1",
-                                 roofline=False, progress=None)
-    assert aligned.cache_copy_bytes == 0 and aligned.temp_bytes < aligned.kv_cache_bytes
 
 
 @pytest.mark.aot
@@ -231,7 +238,7 @@ def test_quantized_weights_and_an_8bit_cache_compile_and_match_the_calculator(ta
 @pytest.mark.usefixtures("no_persistent_cache")
 def test_the_tpu_roofline_counts_every_layer_of_the_loop():
     """XLA's cost analysis counts a while loop's body once: the scanned step's own FLOPs hold one
-    layer. The report's figures (the step unrolled at 1 and 2 layers, extrapolated) equal those of
+    layer. The report's figures (the step unrolled at 2 and 3 layers, extrapolated) equal those of
     the step compiled unrolled over all six layers."""
     import dataclasses
 
