@@ -264,7 +264,7 @@ class ModelRunner:
 
     def _compile(self, bucket: Bucket):
         compiled = self._loaded.pop(bucket) if bucket in self._loaded else self._lower(bucket).compile()
-        if self.pins_cache and self.cache_formats is None:  # the live cache moves into it, before any step
+        if self.pins_cache and self.cache_formats is None:  # the cache, unwritten yet, remade in it
             self.cache_formats, self.kv_cache = program.pin_cache_layout(self.kv_cache, compiled)
         return compiled
 

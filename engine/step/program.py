@@ -128,8 +128,10 @@ def laid_out_bytes(shape, dtype, fmt) -> int:
 
 
 def pin_cache_layout(kv_cache, compiled):
-    """(formats, the cache moved into them): the cache's layout as `compiled` (a bucket's step
-    compiled with "auto" formats) takes it. Warns when that layout pads the cache: the pool was
+    """(formats, a zeroed cache in them): the cache's layout as `compiled` (a bucket's step
+    compiled with "auto" formats) takes it. Called at the first compile, before any step has
+    written the cache: the old one is freed first and the new one allocated in place of it, never
+    both at once (a relayout would hold both). Warns when that layout pads the cache: the pool was
     sized by its values' and scales' bytes (engine/step/kv_cache.py), not by the padded ones."""
     formats = compiled.input_formats[0][1]
     leaves = jax.tree.leaves(kv_cache)
@@ -141,7 +143,11 @@ def pin_cache_layout(kv_cache, compiled):
         logging.warning("jaxserve: the TPU kernels' layout pads the KV cache to %.2f GiB per device, %.2fx its "
                         "%.2f GiB of values and scales, which sized the pool: lower kv_cache_memory_fraction or "
                         "num_kv_blocks if it does not fit (docs/tpu_gpu.md)", laid / 2**30, laid / plain, plain / 2**30)
-    return formats, jax.device_put(kv_cache, formats)
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), kv_cache)
+    for a in leaves:
+        a.delete()
+    zeros = jax.jit(lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), abstract), out_shardings=formats)
+    return formats, zeros()
 
 
 def lower_bucket(step, builder: BatchBuilder, bucket: Bucket, abstract_state, input_sharding=None,

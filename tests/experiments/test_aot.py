@@ -141,6 +141,27 @@ def test_cache_copies_are_read_from_the_program_and_grow_with_the_pool():
     assert build.max_kv_blocks == int(70 * mib // (1.2 * mib))
 
 
+def test_laid_out_bytes_pad_the_minor_dims_to_the_first_tile():
+    """program.laid_out_bytes: the default model's bfloat16 cache in the TPU kernels' layout
+    ((3, 64) in (4, 128) tiles) is 8/3 its values (the figure memory_analysis gave for the compiled
+    step's arguments on v5e-1, BUILD_NOTES "Compiled for the targets", stop 43); a layout in
+    another dim order pads its own minor dims; no format or no tiling is dense."""
+    import jax
+    import numpy as np
+    from jax.experimental.layout import Format, Layout
+
+    from engine.step.program import laid_out_bytes
+
+    shape, bf16 = (30, 1024, 16, 3, 64), np.dtype("bfloat16")
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    kernels = Format(Layout(major_to_minor=(0, 1, 2, 3, 4), tiling=((4, 128), (2, 1))), one)
+    assert laid_out_bytes(shape, bf16, kernels) == 30 * 1024 * 16 * 4 * 128 * 2 == 480 * 2**20
+    xlas = Format(Layout(major_to_minor=(0, 2, 3, 4, 1), tiling=((8, 128), (2, 1))), one)  # blocks minor-most
+    assert laid_out_bytes(shape, bf16, xlas) == 30 * 16 * 3 * 64 * 1024 * 2
+    assert laid_out_bytes(shape, bf16, None) == laid_out_bytes(shape, bf16, Format(Layout((0, 1, 2, 3, 4)), one)) \
+        == 30 * 1024 * 16 * 3 * 64 * 2
+
+
 def test_gguf_quantization_is_refused_by_name():
     config = EngineConfig(model="random:tiny", quantization="gguf", **SMALL)
     with pytest.raises(ValueError, match="quantization=gguf serves a GGUF file's own blocks"):
