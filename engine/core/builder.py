@@ -28,6 +28,7 @@ from engine.step.buckets import (
 )
 from engine.step.kv_cache import cache_budget, pool_sizes
 from engine.step.model_runner import ModelRunner
+from engine.step.tpu_cache_layout import laid_out_factor
 from models.loader import load_model
 from pallas_kernels import resolve_backend
 from pallas_kernels.kv_quant import scale_layout
@@ -145,8 +146,12 @@ def build_parts(config: EngineConfig, *, progress: bool = True, mesh=None, loade
     max_blocks_per_seq = -(-max_model_len // bs)
     sliding = uses_sliding_groups(config, loaded.config)
     sliding_window = loaded.config.sliding_window if sliding else None
-    budget = cache_budget(placement.devices[0] if placement else None, config.kv_cache_bytes,
-                          config.kv_cache_memory_fraction)
+    device = placement.devices[0] if placement else jax.devices()[0]
+    budget = cache_budget(device, config.kv_cache_bytes, config.kv_cache_memory_fraction)
+    if backend == "pallas_tpu" and platform == "tpu" and config.num_kv_blocks is None:
+        # The kernels' layout pads the cache (engine/step/tpu_cache_layout.py): the budget holds fewer blocks.
+        budget = int(budget / laid_out_factor(kv_config, block_size=config.block_size, dtype=dtype,
+                                              kv_cache_dtype=config.kv_cache_dtype, device=device))
     num_blocks, num_sliding_blocks = pool_sizes(config, kv_config, budget, sliding=sliding, dtype=dtype,
                                                 max_model_len=max_model_len, scale_layout=scale_layout(backend))
     if (num_blocks - 1) * bs < max_model_len:

@@ -131,8 +131,9 @@ def pin_cache_layout(kv_cache, compiled):
     """(formats, a zeroed cache in them): the cache's layout as `compiled` (a bucket's step
     compiled with "auto" formats) takes it. Called at the first compile, before any step has
     written the cache: the old one is freed first and the new one allocated in place of it, never
-    both at once (a relayout would hold both). Warns when that layout pads the cache: the pool was
-    sized by its values' and scales' bytes (engine/step/kv_cache.py), not by the padded ones."""
+    both at once (a relayout would hold both). Warns when that layout pads the cache: a pool sized
+    from the memory budget counts the padding (engine/step/tpu_cache_layout.py), an explicit
+    num_kv_blocks does not."""
     formats = compiled.input_formats[0][1]
     leaves = jax.tree.leaves(kv_cache)
     shapes = [a.sharding.shard_shape(a.shape) for a in leaves]
@@ -141,8 +142,8 @@ def pin_cache_layout(kv_cache, compiled):
                zip(leaves, shapes, jax.tree.leaves(formats, is_leaf=lambda x: isinstance(x, Format)), strict=True))
     if laid > 1.05 * plain:
         logging.warning("jaxserve: the TPU kernels' layout pads the KV cache to %.2f GiB per device, %.2fx its "
-                        "%.2f GiB of values and scales, which sized the pool: lower kv_cache_memory_fraction or "
-                        "num_kv_blocks if it does not fit (docs/tpu_gpu.md)", laid / 2**30, laid / plain, plain / 2**30)
+                        "%.2f GiB of values and scales (a pool sized from the memory budget counts this; an "
+                        "explicit num_kv_blocks does not: docs/tpu_gpu.md)", laid / 2**30, laid / plain, plain / 2**30)
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), kv_cache)
     for a in leaves:
         a.delete()

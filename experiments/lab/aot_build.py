@@ -50,6 +50,7 @@ from engine.step.program import (
     table_state_spec,
 )
 from engine.step.step_inputs import BatchBuilder
+from engine.step.tpu_cache_layout import laid_out_factor
 from experiments.lab.aot_results import (
     BucketResult,
     Build,
@@ -129,6 +130,9 @@ def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: st
     per_block = bytes_per_block(kv_config, bs, dtype, config.kv_cache_dtype, scale_layout=layout, shards=tp) // tp
     # engine/step/kv_cache.py cache_budget on an accelerator: a fraction of what is free
     budget = int(max(0, usable - weights) * config.kv_cache_memory_fraction)
+    if backend == "pallas_tpu" and config.num_kv_blocks is None:  # as the engine's builder: the padded layout
+        budget = int(budget / laid_out_factor(placement.layout.local if placement else kv_config, block_size=bs,
+                                              dtype=dtype, kv_cache_dtype=config.kv_cache_dtype, device=devices[0]))
     if platform == "cpu":
         budget = config.kv_cache_bytes
     num_blocks, num_sliding_blocks = pool_sizes(

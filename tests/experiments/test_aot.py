@@ -199,7 +199,8 @@ def test_the_tpu_steps_pin_the_cache_layout_and_unpinned_copies_are_named(monkey
     then pinned: program.pins_cache_layout) they hold no such copy, and the build counts the cache
     as the kernels lay it out (padded: (3, 64) in (4, 128) tiles, 2.67x); unpinned (the rule
     patched off), the build counts the copies, charges them per block (a smaller largest cache
-    than pinned) and the report names them."""
+    than pinned) and the report names them. A pool sized from a budget is sized by the padded
+    bytes (engine/step/tpu_cache_layout.py, as the engine's builder does)."""
     import dataclasses
 
     from experiments.lab import aot_build
@@ -209,6 +210,19 @@ def test_the_tpu_steps_pin_the_cache_layout_and_unpinned_copies_are_named(monkey
     pinned = compile_for_target(config, model, "v5e-1", roofline=False, progress=None)
     assert pinned.attention_backend == "pallas_tpu" and pinned.cache_copy_bytes == 0
     assert pinned.kv_layout_factor == pytest.approx(8 / 3)  # 4 x 128 lanes hold 3 x 64 values
+    # The probe the builder sizes the pool with (the kernels alone, a 16-block cache) sees the same.
+    from engine.step.tpu_cache_layout import laid_out_factor
+    from experiments.lab.targets import compile_only_devices
+
+    device = compile_only_devices("v5e-1")[0]
+    assert laid_out_factor(model, block_size=16, dtype="bfloat16", kv_cache_dtype="auto",
+                           device=device) == pytest.approx(pinned.kv_layout_factor)
+    budget_bound = EngineConfig(model="random:tiny-gqa3", kv_cache_memory_fraction=1e-4,
+                                **dict(SMALL, max_model_len=1024))
+    small = compile_for_target(budget_bound, model, "v5e-1", roofline=False, progress=None)
+    budget = int((small.usable_bytes - small.weights_bytes) * 1e-4)
+    assert small.kv_cache_laid_out_bytes <= budget  # sized by the padded bytes: it fits its budget
+    assert small.kv_cache_laid_out_bytes + small.kv_cache_laid_out_bytes // (small.num_blocks - 1) > budget
     r = aot.report(pinned, model, config)
     assert r["per_device_bytes"]["kv_cache_laid_out"] == pinned.kv_cache_laid_out_bytes
     assert "the kernels' layout pads the KV cache" in aot.format_report(r)
