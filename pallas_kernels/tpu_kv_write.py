@@ -202,6 +202,8 @@ def write_scaled_kv_tpu(k_cache: ScaledCache, v_cache: ScaledCache, k, v, rows, 
     the values as [L, num_blocks, block_size, Hkv, D] (a single-layer cache is L = 1). Validation
     is the caller's (kv_write.write_kv)."""
     kind = k_cache.kv_cache_dtype
+    if interpret is True:
+        interpret = pltpu.InterpretParams()
     (k_values, k_scales), (v_values, v_scales) = quantize_kv(k, kind), quantize_kv(v, kind)
     num_layers, num_blocks, block_size, num_kv_heads, _ = stacked_shape
     values = write_kv_tpu(k_cache.values.reshape(stacked_shape), v_cache.values.reshape(stacked_shape),
@@ -209,8 +211,6 @@ def write_scaled_kv_tpu(k_cache: ScaledCache, v_cache: ScaledCache, k, v, rows, 
     width = k_cache.scales.shape[-1]
     view = (num_layers, num_blocks, width)
     lanes = jnp.asarray(page_lanes(block_size, num_kv_heads, width))[None, :]
-    if interpret is True:
-        interpret = pltpu.InterpretParams()
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     num_tokens = k.shape[0]
     vmem = pl.BlockSpec((num_tokens, width), lambda i, *_: (0, 0))

@@ -174,7 +174,7 @@ def scaled_sharding(sharding, kv_cache_dtype: str, layout: str = "token") -> Sca
     """The sharding of one ScaledCache whose values have `sharding` (a NamedSharding of the
     [L, blocks, block_size, Hkv, D] values): the scales split alike, [L, blocks, block_size, Hkv]
     on the heads, or (the page layout) [L, blocks, W] on the row, one piece per shard."""
-    spec = tuple(sharding.spec) + (None,) * (5 - len(tuple(sharding.spec)))
+    spec = _values_spec(sharding)
     scale_spec = spec[:4] if layout == "token" else (*spec[:2], spec[3])
     return ScaledCache(sharding, NamedSharding(sharding.mesh, PartitionSpec(*scale_spec)), kv_cache_dtype, layout)
 
@@ -183,9 +183,15 @@ def kv_shards(sharding) -> int:
     """How many devices split the kv heads under `sharding` (the values' NamedSharding; 1 for none)."""
     if sharding is None:
         return 1
-    spec = tuple(sharding.spec) + (None,) * (5 - len(tuple(sharding.spec)))
-    axes = spec[3] if isinstance(spec[3], tuple) else (spec[3],)
+    heads = _values_spec(sharding)[3]
+    axes = heads if isinstance(heads, tuple) else (heads,)
     return int(math.prod(sharding.mesh.shape[a] for a in axes if a is not None))
+
+
+def _values_spec(sharding) -> tuple:
+    """The values' [L, blocks, block_size, Hkv, D] PartitionSpec as 5 entries (trailing None filled)."""
+    spec = tuple(sharding.spec)
+    return spec + (None,) * (5 - len(spec))
 
 
 def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: str, *,

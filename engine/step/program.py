@@ -127,6 +127,17 @@ def laid_out_bytes(shape, dtype, fmt) -> int:
     return int(np.prod(dims, dtype=np.int64)) * np.dtype(dtype).itemsize
 
 
+def cache_bytes(cache, formats) -> tuple[int, int]:
+    """(laid out, plain) bytes per device of a cache (arrays or ShapeDtypeStructs) in `formats` (its
+    pytree of Formats, e.g. a compiled step's input_formats for it)."""
+    leaves = jax.tree.leaves(cache)
+    shapes = [a.sharding.shard_shape(a.shape) if getattr(a, "sharding", None) is not None else a.shape
+              for a in leaves]
+    laid = sum(laid_out_bytes(s, a.dtype, f) for a, s, f in
+               zip(leaves, shapes, jax.tree.leaves(formats, is_leaf=lambda x: isinstance(x, Format)), strict=True))
+    return laid, sum(laid_out_bytes(s, a.dtype, None) for a, s in zip(leaves, shapes))
+
+
 def pin_cache_layout(kv_cache, compiled):
     """(formats, a zeroed cache in them): the cache's layout as `compiled` (a bucket's step
     compiled with "auto" formats) takes it. Called at the first compile, before any step has
@@ -135,17 +146,13 @@ def pin_cache_layout(kv_cache, compiled):
     from the memory budget counts the padding (engine/step/tpu_cache_layout.py), an explicit
     num_kv_blocks does not."""
     formats = compiled.input_formats[0][1]
-    leaves = jax.tree.leaves(kv_cache)
-    shapes = [a.sharding.shard_shape(a.shape) for a in leaves]
-    plain = sum(int(np.prod(s, dtype=np.int64)) * a.dtype.itemsize for a, s in zip(leaves, shapes))
-    laid = sum(laid_out_bytes(s, a.dtype, f) for a, s, f in
-               zip(leaves, shapes, jax.tree.leaves(formats, is_leaf=lambda x: isinstance(x, Format)), strict=True))
+    laid, plain = cache_bytes(kv_cache, formats)
     if laid > 1.05 * plain:
         logging.warning("jaxserve: the TPU kernels' layout pads the KV cache to %.2f GiB per device, %.2fx its "
                         "%.2f GiB of values and scales (a pool sized from the memory budget counts this; an "
                         "explicit num_kv_blocks does not: docs/tpu_gpu.md)", laid / 2**30, laid / plain, plain / 2**30)
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), kv_cache)
-    for a in leaves:
+    for a in jax.tree.leaves(kv_cache):
         a.delete()
     zeros = jax.jit(lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), abstract), out_shardings=formats)
     return formats, zeros()

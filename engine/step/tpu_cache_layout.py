@@ -21,7 +21,7 @@ from jax.experimental.layout import Format, Layout
 from jax.sharding import SingleDeviceSharding
 
 from engine.step.kv_cache import allocate_kv_cache
-from engine.step.program import laid_out_bytes
+from engine.step.program import cache_bytes
 from models.config import ModelConfig
 from pallas_kernels import prepare_attention_metadata, ragged_paged_attention, write_kv
 
@@ -60,10 +60,8 @@ def laid_out_factor(config: ModelConfig, *, block_size: int, dtype: str, kv_cach
                     in_shardings=(*(None,) * len(args), *auto), out_shardings=(None, *auto),
                     donate_argnums=(len(args), len(args) + 1))
     compiled = probe.lower(*args, *plain).compile()
-    formats = jax.tree.leaves(compiled.input_formats[0][len(args):], is_leaf=lambda x: isinstance(x, Format))
-    leaves = jax.tree.leaves(plain)
-    laid = sum(laid_out_bytes(a.shape, a.dtype, f) for a, f in zip(leaves, formats, strict=True))
-    return laid / sum(int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize for a in leaves)
+    laid, plain_bytes = cache_bytes(plain, compiled.input_formats[0][len(args):])
+    return laid / plain_bytes
 
 
 def _with_layers(config: ModelConfig, num_layers: int) -> ModelConfig:

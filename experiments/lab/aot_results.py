@@ -128,17 +128,11 @@ class Build:
 def kv_bytes_as_laid_out(buckets: list[BucketResult], kv_state) -> int | None:
     """Per device, the cache's bytes in the layout the first compiled bucket takes it in (its
     input formats: on the TPU the kernels' layout the runner pins, engine/step/program.py)."""
-    from jax.experimental.layout import Format
-
-    from engine.step.program import laid_out_bytes
+    from engine.step.program import cache_bytes
 
     for b in buckets:
-        if b.executable is None:
-            continue
-        formats = jax.tree.leaves(b.executable.input_formats[0][1], is_leaf=lambda x: isinstance(x, Format))
-        leaves = jax.tree.leaves(kv_state)
-        return sum(laid_out_bytes(leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape,
-                                  leaf.dtype, f) for leaf, f in zip(leaves, formats, strict=True))
+        if b.executable is not None:
+            return cache_bytes(kv_state, b.executable.input_formats[0][1])[0]
     return None
 
 
@@ -151,8 +145,7 @@ def cache_copy_bytes(hlo_text: str, kv_cache) -> int:
     per-device shape of one of the KV cache's arrays (values, or an 8-bit cache's scales): XLA
     relaying the cache out between its entry layout and a kernel's (docs/tpu_gpu.md: the TPU at
     2-3 kv heads a device), temporaries as large as the pool."""
-    shapes = {tuple(leaf.sharding.shard_shape(leaf.shape)) if leaf.sharding is not None else tuple(leaf.shape)
-              for leaf in jax.tree.leaves(kv_cache)}
+    shapes = {tuple(device_shape(leaf)) for leaf in jax.tree.leaves(kv_cache)}
     total = 0
     for m in re.finditer(r"= (\w+)\[([\d,]*)\]\{[^}]*\} copy\(", hlo_text):
         dims = tuple(int(x) for x in m.group(2).split(",") if x)
@@ -161,9 +154,13 @@ def cache_copy_bytes(hlo_text: str, kv_cache) -> int:
     return total
 
 
+def device_shape(leaf) -> tuple[int, ...]:
+    """An abstract array's shape on one device (its shard's)."""
+    return leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
+
+
 def nbytes(leaf) -> int:
-    shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
-    return int(np.prod(shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+    return int(np.prod(device_shape(leaf), dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
 
 
 def tree_bytes_per_device(tree) -> int:
