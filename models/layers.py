@@ -11,7 +11,7 @@ heads, g query heads per KV head, d head dim, f MLP width, v vocabulary, n a fus
 - Projections `proj`: the input cast to the weight's dtype, accumulated in float32.
 - Dense causal attention of one sequence, with an optional window and soft cap: the oracle
   the paged kernels (pallas_kernels/) are tested against.
-- The embedding lookup, gathered as bits.
+- The embedding lookup, gathered as bits on the CPU.
 - `argmax` over the last axis (greedy tokens): jnp.argmax's result written as plain
   reductions, which XLA:CPU runs 3-5x faster than its variadic (value, index) reduce.
 """
@@ -118,13 +118,16 @@ def proj(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     if isinstance(w, QuantizedWeight):
         return w.product(spec, x)
     x = x.astype(w.dtype)
-    pad = x.shape[0] == 1 and w.dtype == jnp.bfloat16 and jax.default_backend() == "cpu"
-    if pad:
+    product = lambda x, w: jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)  # noqa: E731
+    if x.shape[0] != 1 or w.dtype != jnp.bfloat16:
+        return product(x, w)
+
+    def padded(x, w):
         # XLA:CPU runs a one-row bfloat16 product through a slow path (tens of times slower
         # than two rows, BUILD_NOTES.md): a zero second row keeps it on the fast one.
-        x = jnp.concatenate([x, jnp.zeros_like(x)])
-    out = jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
-    return out[:1] if pad else out
+        return product(jnp.concatenate([x, jnp.zeros_like(x)]), w)[:1]
+
+    return jax.lax.platform_dependent(x, w, cpu=padded, default=product)
 
 
 def dense_causal_attention(q, k, v, sm_scale: float, sliding_window: int | None = None,
@@ -146,13 +149,19 @@ def dense_causal_attention(q, k, v, sm_scale: float, sliding_window: int | None 
 
 
 def embed_tokens(embed: jax.Array, token_ids: jax.Array, scale: bool = False) -> jax.Array:
-    """Rows of the embedding table as float32, gathered as bits: XLA:CPU would convert a whole
-    16-bit table to float32 every step to gather from it. scale: times sqrt(hidden), rounded to
-    the table's dtype first (as Gemma's checkpoints compute it)."""
+    """Rows of the embedding table as float32. On the CPU a 16-bit table is gathered as its bits
+    (XLA:CPU would convert the whole table to float32 every step to gather from it); elsewhere
+    as itself (XLA:TPU makes the bits a copy of the whole table every step: Llama-3-8B's
+    bfloat16 table, 1 GB of temporaries and 2 GB of HBM traffic a step; BUILD_NOTES.md
+    "Quantization", stop 44). The platform is the one the step is lowered for, so a compile for
+    a TPU on a CPU host (experiments.aot) takes the TPU's gather. scale: times sqrt(hidden),
+    rounded to the table's dtype first (as Gemma's checkpoints compute it)."""
     if isinstance(embed, QuantizedWeight):
         rows = embed.rows(token_ids)
     else:
-        rows = from_bits(as_bits(embed)[token_ids], embed.dtype).astype(jnp.float32)
+        bits = lambda e, ids: from_bits(as_bits(e)[ids], e.dtype).astype(jnp.float32)  # noqa: E731
+        rows = jax.lax.platform_dependent(embed, token_ids, cpu=bits,
+                                          default=lambda e, ids: e[ids].astype(jnp.float32))
     if scale:
         rows = rows * jnp.asarray(math.sqrt(embed.shape[-1]), embed.dtype).astype(jnp.float32)
     return rows

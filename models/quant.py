@@ -198,23 +198,27 @@ class QuantizedWeight:
         on XLA:CPU (module docstring, 5.): one row, or no offset, x . dequantized^T (at one row
         a loop reading the codes once); more rows the split form x . (scale q)^T +
         blocksum(x) . offset^T, padded to 8 rows on the CPU, a table-sized weight in slices."""
-        rows, cpu = x.shape[0], jax.default_backend() == "cpu"
-        offset = self.offset
+        rows, offset = x.shape[0], self.offset
         if rows == 1 or offset is None:
             return jnp.dot(x, self.dequantize().T, preferred_element_type=jnp.float32)
-        if cpu and rows < _SPLIT_MIN_ROWS:
-            x = jnp.concatenate([x, jnp.zeros((_SPLIT_MIN_ROWS - rows, x.shape[1]), x.dtype)])
-        sums = x.astype(jnp.float32).reshape(x.shape[0], -1, self.block).sum(-1)  # [t, i / block]
 
-        def split(q, scale, offset):
+        def split(x, q, scale, offset):
+            sums = x.astype(jnp.float32).reshape(x.shape[0], -1, self.block).sum(-1)  # [t, i / block]
             y = jnp.dot(x, self._scaled(q, scale).astype(self.dtype).T, preferred_element_type=jnp.float32)
             return y + jnp.dot(sums, offset.T, preferred_element_type=jnp.float32)
 
-        o = self.q.shape[0]
-        if not cpu or o <= _SPLIT_MAX_ROWS:
-            return split(self.q, self.scale, offset)[:rows]
-        return jnp.concatenate([split(self.q[c:c + _SPLIT_CHUNK], self.scale[c:c + _SPLIT_CHUNK],
-                                      offset[c:c + _SPLIT_CHUNK]) for c in range(0, o, _SPLIT_CHUNK)], axis=1)[:rows]
+        def on_cpu(x):
+            if rows < _SPLIT_MIN_ROWS:
+                x = jnp.concatenate([x, jnp.zeros((_SPLIT_MIN_ROWS - rows, x.shape[1]), x.dtype)])
+            o = self.q.shape[0]
+            if o <= _SPLIT_MAX_ROWS:
+                return split(x, self.q, self.scale, offset)[:rows]
+            return jnp.concatenate([split(x, self.q[c:c + _SPLIT_CHUNK], self.scale[c:c + _SPLIT_CHUNK],
+                                          offset[c:c + _SPLIT_CHUNK]) for c in range(0, o, _SPLIT_CHUNK)],
+                                   axis=1)[:rows]
+
+        # The platform the step is lowered for (a compile for a TPU on a CPU host takes the TPU's).
+        return jax.lax.platform_dependent(x, cpu=on_cpu, default=lambda x: split(x, self.q, self.scale, offset))
 
     def _grouped_activation_product(self, x):
         """Activations quantized per group of `activation_group` input channels: one outlier

@@ -130,12 +130,18 @@ def dense_attention(q, k, v, seq_lens, *, sm_scale):
 
 
 def time_interleaved(fns, repeats):
-    """Median seconds of each zero-argument function, runs interleaved."""
+    """Median seconds of each zero-argument function, runs interleaved in a new shuffled order
+    each round (seeded). A fixed order biased the table: the form timed right after dense found
+    the machine's caches holding dense's arrays and ran 5-15 % slower than the same compiled form
+    timed later in the round (BUILD_NOTES.md "CPU attention forms", stop 44)."""
     for fn in fns:
         jax.block_until_ready(fn())
     times = [[] for _ in fns]
+    order, rng = list(range(len(fns))), np.random.default_rng(0)
     for _ in range(repeats):
-        for i, fn in enumerate(fns):
+        rng.shuffle(order)
+        for i in order:
+            fn = fns[i]
             start = time.perf_counter()
             jax.block_until_ready(fn())
             times[i].append(time.perf_counter() - start)
