@@ -19,7 +19,7 @@ prefill_seqs chunks of prefill_chunk tokens in one flat batch). Contexts are uni
 context the bucket allows), else the longest context's pages. Forms (--forms, the xla path's,
 pallas_kernels/xla_forms.py): "auto" (the bucket's rule), "loop", "split", and "loop128" (the loop
 form with 128 kv positions a step, the path before the forms). Times are medians of `repeats`
-interleaved runs (every form and dense in turn) after a warm-up; the ratio form / dense is the
+interleaved runs (every form and dense in turn, a new shuffled order each round) after a warm-up; the ratio form / dense is the
 number to watch. A quick run: --repeats=5. --bucket_tokens / --bucket_seqs pad the paged batch as
 the engine pads a step to its compiled bucket (T and S columns then show the bucket's; dense
 attention stays the real sequences' alone).
