@@ -153,7 +153,7 @@ def embed_tokens(embed: jax.Array, token_ids: jax.Array, scale: bool = False) ->
     (XLA:CPU would convert the whole table to float32 every step to gather from it); elsewhere
     as itself (XLA:TPU makes the bits a copy of the whole table every step: Llama-3-8B's
     bfloat16 table, 1 GB of temporaries and 2 GB of HBM traffic a step; BUILD_NOTES.md
-    "Quantization", stop 44). The platform is the one the step is lowered for, so a compile for
+    "Compiled for the targets from the CPU", stop 44). The platform is the one the step is lowered for, so a compile for
     a TPU on a CPU host (experiments.aot) takes the TPU's gather. scale: times sqrt(hidden),
     rounded to the table's dtype first (as Gemma's checkpoints compute it)."""
     if isinstance(embed, QuantizedWeight):
