@@ -265,11 +265,17 @@ def resolve_layer_loop(config: EngineConfig, platform: str) -> str:
     return "stacked" if stack else "switch"
 
 
-# Per platform, from the scan-vs-unrolled measurements in BUILD_NOTES.md.
-SCAN_LAYERS_DEFAULT = {"cpu": True, "gpu": True, "tpu": True}
+# Per platform, from the scan-vs-unrolled measurements in BUILD_NOTES.md. The GPU runs its layers
+# unrolled (BUILD_NOTES "Compiled for the targets", stop 44, read from compiles for an H200, no
+# device timed): under a scan over stacked weights XLA:GPU copies each layer's weights out of the
+# stack every step (a dynamic-slice fusion holding a memcpy: every weight read, written and read
+# again), and under the switch scan each of a layer's four lax.switch products is a conditional
+# thunk outside the CUDA graphs, whose branch index the host reads back (128 round trips a step
+# for Llama-3-8B). Unrolled there is neither, at about twice the compile time.
+SCAN_LAYERS_DEFAULT = {"cpu": True, "gpu": False, "tpu": True}
 # Under a scan over stacked weights XLA:CPU copies each layer's slice out before its dots (about a
 # third of a one-row step on the default model, BUILD_NOTES "Engine step speed"), so on the CPU
-# the scan keeps per-layer buffers; accelerators read a slice in place and keep the stacked scan.
+# the scan keeps per-layer buffers; XLA:TPU reads a slice in place and keeps the stacked scan.
 STACK_LAYER_WEIGHTS = {"cpu": False, "gpu": True, "tpu": True}
 LAYER_LOOPS = ("unrolled", "stacked", "switch")
 # Quantized weights (models/quant.py): the smallest product (rows) that also quantizes its
