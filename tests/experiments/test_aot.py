@@ -238,31 +238,6 @@ def test_the_tpu_steps_pin_the_cache_layout_and_unpinned_copies_are_named(monkey
 
 @pytest.mark.aot
 @pytest.mark.usefixtures("no_persistent_cache")
-def test_the_embedding_lookup_copies_no_table_on_a_tpu():
-    """models/layers.embed_tokens gathers a 16-bit table as its bits on the CPU only: XLA:TPU
-    made the bits a copy of the whole table every step (Llama-3-8B: 1 GB of temporaries). The
-    platform is the lowering's, so this compile on a CPU host takes the TPU's gather."""
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import SingleDeviceSharding
-
-    from experiments.lab.targets import compile_only_devices
-    from models.layers import embed_tokens
-
-    table_bytes = 128256 * 4096 * 2  # Llama-3-8B's table
-    for name in ("v5e-1", "cpu"):
-        device = compile_only_devices(name)[0] if name != "cpu" else jax.devices("cpu")[0]
-        shard = SingleDeviceSharding(device)
-        args = (jax.ShapeDtypeStruct((128256, 4096), jnp.bfloat16, sharding=shard),
-                jax.ShapeDtypeStruct((8,), jnp.int32, sharding=shard))
-        compiled = jax.jit(embed_tokens).lower(*args).compile()
-        assert compiled.memory_analysis().temp_size_in_bytes < table_bytes // 100, name
-        gathers_bits = "u16[8,4096]" in compiled.as_text()
-        assert gathers_bits == (name == "cpu"), name
-
-
-@pytest.mark.aot
-@pytest.mark.usefixtures("no_persistent_cache")
 def test_small_model_step_compiles_for_a_gpu_target(tmp_path):
     path = tmp_path / "h100.json"
     out = subprocess.run(
