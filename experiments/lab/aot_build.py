@@ -60,6 +60,7 @@ from experiments.lab.aot_results import (
     kv_bytes_as_laid_out,
     nbytes,
     refused,
+    split_unrolled,
     target_figures,
     tree_bytes_per_device,
     with_sharding,
@@ -271,7 +272,7 @@ def _compile_buckets(step, shapes: RunnerShapes, buckets, state, replicated, *, 
         text = compiled.as_text() or ""
         inside, outside = count_collectives(text)
         if layer_loop == "unrolled":  # no loop body: the layers' collectives are all in the entry
-            inside = {k: v / num_layers for k, v in outside.items()}
+            inside, outside = split_unrolled(outside, num_layers)
         results.append(BucketResult(
             bucket.padded_tokens, bucket.padded_seqs, bucket.padded_logits, seconds,
             int(mem.temp_size_in_bytes) if mem else 0, int(mem.generated_code_size_in_bytes) if mem else 0,

@@ -171,6 +171,15 @@ def with_sharding(tree, shardings):
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
 
 
+def split_unrolled(total: dict, num_layers: int) -> tuple[dict, dict]:
+    """An unrolled program's collectives (all in the entry) as (per layer, outside the layers):
+    each layer holds the same ops, so the whole multiples of the layer count are the layers' and
+    the rest (the embedding's, the logits') is outside, e.g. 65 all-reduces over 32 layers are 2
+    a layer and 1 outside."""
+    per_layer = {k: v // num_layers for k, v in total.items()}
+    return per_layer, {k: v - per_layer[k] * num_layers for k, v in total.items()}
+
+
 def count_collectives(hlo_text: str) -> tuple[dict, dict]:
     """(ops inside while-loop bodies, ops elsewhere) per collective kind, from optimized HLO text.
     Under a scan over layers the body is one layer; the rest is the embedding and the logits."""

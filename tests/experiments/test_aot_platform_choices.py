@@ -78,3 +78,13 @@ def test_why_the_gpu_unrolls_its_layers():
     assert temp(scanned, "h100") >= slice_bytes
     assert temp(unrolled, "h100") < slice_bytes // 10
     assert temp(scanned, "v5e-1") < slice_bytes // 10
+
+
+def test_an_unrolled_programs_collectives_split_into_layers_and_the_rest():
+    """The GPU's unrolled steps have no loop body to read a layer's collectives from: the whole
+    multiples of the layer count are the layers' (experiments/lab/aot_results.split_unrolled)."""
+    from experiments.lab.aot_results import split_unrolled
+
+    per_layer, rest = split_unrolled({"all-reduce": 65, "all-gather": 1, "all-to-all": 0}, 32)
+    assert per_layer == {"all-reduce": 2, "all-gather": 0, "all-to-all": 0}
+    assert rest == {"all-reduce": 1, "all-gather": 1, "all-to-all": 0}
