@@ -302,7 +302,8 @@ class _LayerCost:
     unlike a deeper one, and the bytes extrapolated from it were 21 % over the full program's.)"""
 
     def __init__(self, model, shapes, backend, dtype, placement_for, device, quant):
-        self.period, self.num_layers, self.backend = model.layer_period, model.num_layers, backend
+        self.period, self.num_layers = model.layer_period, model.num_layers
+        self.formats = "auto" if pins_cache_layout(backend) else None  # as the runner compiles it
         self.variants = []
         for n in (2 * self.period, 3 * self.period):  # (one layer's stacked cache lays out unlike the rest)
             small = dataclasses.replace(model, num_layers=n,
@@ -322,8 +323,7 @@ class _LayerCost:
     def cost(self, bucket, builder) -> tuple[float | None, float | None]:
         figures = []
         for step, state, replicated in self.variants:
-            formats = "auto" if pins_cache_layout(self.backend) else None  # as the runner compiles it
-            f, b = _cost(lower_bucket(step, builder, bucket, state, replicated, cache_formats=formats).compile())
+            f, b = _cost(lower_bucket(step, builder, bucket, state, replicated, cache_formats=self.formats).compile())
             if f is None or b is None:
                 return None, None
             figures.append((f, b))
