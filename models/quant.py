@@ -25,8 +25,9 @@ layers, [E, o, i] for experts.
                    the dot (XLA:CPU fuses the convert into the product's loop for a few rows).
      activations   t >= activation_rows: each row of x is quantized too, with a dynamic scale
                    sx = max|x_row| / 127 (int8) or / 448 (fp8), y = dot(xq, q) accumulated in
-                   int32 (int8, exact) or float32 (fp8) * sx * s. A row's result depends only on
-                   that row, so batching never changes it.
+                   int32 (int8, exact; models/int8_dot.py runs it as u8 x s8 on the CPU) or
+                   float32 (fp8) * sx * s. A row's result depends only on that row, so batching
+                   never changes it.
    The activation scales are per row, or (activation_group G) per G input channels of a row
    (y = sum over groups of sx * the group's int32 dot): finer, since one outlier channel of the
    residual stream coarsens a whole row, but slow on XLA:CPU (see quantize_params). The engine
@@ -83,6 +84,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from models.int8_dot import int8_product
 from models.weight_formats import QUANTIZATIONS, QUANTIZED_TABLES
 
 # quantize_params(activation_group=G): activations quantized with one scale per G input channels
@@ -178,12 +180,14 @@ class QuantizedWeight:
             return self._grouped_activation_product(x)
         if self.quantizes_activations(x.shape[0]):
             xq, sx = quantize_rows(x, self.method)
-            rows = xq.shape[0]
-            if rows == 1:  # XLA:CPU runs a one-row int8 dot on a slow path: a zero row keeps it fast
-                xq = jnp.concatenate([xq, jnp.zeros_like(xq)])
-            acc = jnp.int32 if self.method == "int8" else jnp.float32
-            y = jax.lax.dot_general(xq, self.q, (((1,), (1,)), ((), ())), preferred_element_type=acc)
-            return y[:rows].astype(jnp.float32) * sx * self.scale[None, :]
+            if self.method == "int8":  # per platform (models/int8_dot.py: u8 x s8 on the CPU)
+                y = int8_product(xq, self.q)
+            else:  # one row padded with a zero row, as the int8 s8 x s8 form (XLA:CPU's slow path)
+                rows = xq.shape[0]
+                xq = jnp.concatenate([xq, jnp.zeros_like(xq)]) if rows == 1 else xq
+                y = jax.lax.dot_general(xq, self.q, (((1,), (1,)), ((), ())),
+                                        preferred_element_type=jnp.float32)[:rows]
+            return y.astype(jnp.float32) * sx * self.scale[None, :]
         if self.block is not None:
             return self._block_product(x.astype(self.dtype))
         # Written as x . (q^T converted): XLA:CPU then fuses the transpose and the convert into

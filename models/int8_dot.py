@@ -1,0 +1,90 @@
+"""The int8 x int8 -> int32 product of quantized activations and weights, in the form each platform
+runs fastest (models/quant.py QuantizedWeight.product, activations quantized).
+
+xq [t, i] int8 (a row's activations, quantized), q [o, i] int8 (an out-major weight's codes) ->
+int32 [t, o] = xq . q^T, exact.
+
+On XLA:CPU the product is a YNNPACK fusion. Its int8 kernels take unsigned activations times
+signed weights (the VNNI instruction's u8 x s8 form); given s8 x s8 it runs a slower path. So the
+CPU form shifts the activations into u8, xu = xq + 128 (the bits of xq with the sign bit flipped),
+and appends one row of 128s; that row's product is 128 * sum_i q[o, i], which the shift added to
+every row:
+
+    xq . q^T = xu . q^T - 128 * rowsum(q)        (all int32, exact: |xu . q^T| <= 255 * 127 * i)
+
+The correction is computed by the same dot from the weight codes it already reads, so nothing is
+stored beside the weights and it is right on every device of a mesh (a row-parallel weight's
+local columns). Measured on this 2-core CPU (the default model's 120 layer products, medians of
+20 shuffled rounds, BUILD_NOTES.md "u8 activations"): 8 rows 13.0 -> 9.8 ms with the extra row,
+16 rows 19.0 -> 11.1 ms, 32 rows 31.1 -> 16.8 ms.
+
+jax's dot_general converts mixed integer operands to the result type before the dot on the CPU,
+so the mixed dot is a primitive of its own (`_U8S8_DOT`) lowered straight to a stablehlo dot of
+ui8 x i8 -> i32. XLA:CPU runs that only inside a YNNPACK fusion (its other dot emitter requires
+equal operand types and fails the compile), so the form is used only for shapes YNNPACK takes:
+both outer sizes > 1 and some size >= 8 (`_ynn_takes`); other shapes, and other platforms, run the
+s8 x s8 dot (one row padded with a zero row on the CPU, where a one-row int8 dot is slow).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.extend.mlir import ir
+from jax.extend.mlir.dialects import stablehlo
+from jax.interpreters import mlir
+
+_SHIFT = 128
+
+
+def _abstract(xu, q):
+    if xu.dtype != jnp.uint8 or q.dtype != jnp.int8 or xu.ndim != 2 or q.ndim != 2 or xu.shape[1] != q.shape[1]:
+        raise TypeError(f"u8s8_dot takes uint8 [t, i] and int8 [o, i]; got {xu.dtype}{list(xu.shape)} "
+                        f"and {q.dtype}{list(q.shape)}")
+    return jax.core.ShapedArray((xu.shape[0], q.shape[0]), jnp.int32)
+
+
+def _lower(ctx, xu, q):
+    (out,) = ctx.avals_out
+    dims = stablehlo.DotDimensionNumbers.get(lhs_batching_dimensions=[], rhs_batching_dimensions=[],
+                                             lhs_contracting_dimensions=[1], rhs_contracting_dimensions=[1])
+    result = ir.RankedTensorType.get(out.shape, ir.IntegerType.get_signless(32))
+    return [stablehlo.dot_general(result, xu, q, dims)]
+
+
+_U8S8_DOT = Primitive("jaxserve_u8s8_dot")
+_U8S8_DOT.def_abstract_eval(_abstract)
+_U8S8_DOT.def_impl(lambda xu, q: jax.jit(_U8S8_DOT.bind)(xu, q))
+mlir.register_lowering(_U8S8_DOT, _lower)
+
+
+def _ynn_takes(rows: int, i: int, o: int) -> bool:
+    """Whether XLA:CPU's YNNPACK fusion takes a [rows, i] x [o, i] dot (its dot support rules:
+    no vector operand, and not every size below 8)."""
+    return rows > 1 and o > 1 and max(rows, i, o) >= 8
+
+
+def _s8s8(xq, q):
+    rows = xq.shape[0]
+    if rows == 1:  # XLA:CPU runs a one-row int8 dot on a slow path: a zero row keeps it fast
+        xq = jnp.concatenate([xq, jnp.zeros_like(xq)])
+    y = jax.lax.dot_general(xq, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
+    return y[:rows]
+
+
+def _u8s8(xq, q):
+    rows = xq.shape[0]
+    xu = jax.lax.bitcast_convert_type(xq, jnp.uint8) ^ np.uint8(0x80)  # xq + 128
+    xu = jnp.concatenate([xu, jnp.full((1, xu.shape[1]), _SHIFT, jnp.uint8)])
+    y = _U8S8_DOT.bind(xu, q)
+    return y[:rows] - y[rows:]
+
+
+def int8_product(xq: jax.Array, q: jax.Array) -> jax.Array:
+    """xq [t, i] int8 . q[o, i]^T int8 -> int32 [t, o], exact (module docstring)."""
+    if not _ynn_takes(xq.shape[0] + 1, q.shape[1], q.shape[0]):
+        return _s8s8(xq, q)
+    # The platform the step is lowered for (a compile for a TPU on a CPU host takes the TPU's).
+    return jax.lax.platform_dependent(xq, q, cpu=_u8s8, default=_s8s8)
