@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.in_major import InMajorWeight
 from models.quant import QuantizedWeight
 from pallas_kernels.kv_write import as_bits, from_bits
 
@@ -115,7 +116,7 @@ def gated(gate_up: jax.Array, act: str) -> jax.Array:
 def proj(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     """x [t, ...] times a weight: x cast to the weight's dtype, accumulated and returned in f32
     (a quantized weight runs its own product form, models/quant.py)."""
-    if isinstance(w, QuantizedWeight):
+    if isinstance(w, (QuantizedWeight, InMajorWeight)):
         return w.product(spec, x)
     x = x.astype(w.dtype)
     product = lambda x, w: jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)  # noqa: E731
