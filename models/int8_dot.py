@@ -20,10 +20,12 @@ local columns). Measured on this 2-core CPU (the default model's 120 layer produ
 
 jax's dot_general converts mixed integer operands to the result type before the dot on the CPU,
 so the mixed dot is a primitive of its own (`_U8S8_DOT`) lowered straight to a stablehlo dot of
-ui8 x i8 -> i32. XLA:CPU runs that only inside a YNNPACK fusion (its other dot emitter requires
-equal operand types and fails the compile), so the form is used only for shapes YNNPACK takes:
-both outer sizes > 1 and some size >= 8 (`_ynn_takes`); other shapes, and other platforms, run the
-s8 x s8 dot (one row padded with a zero row on the CPU, where a one-row int8 dot is slow).
+ui8 x i8 -> i32. XLA:CPU hands it to YNNPACK where YNNPACK takes the shape; elsewhere (or with
+YNNPACK's dot fusion turned off by XLA_FLAGS) it converts both operands to int32 first: exact, but
+slower than s8 x s8 (and the other mixed order, u8 weights times s8 activations, failed its
+compile in a scratch run). So the form is used only for shapes YNNPACK takes, both outer sizes
+> 1 and some size >= 8 (`_ynn_takes`); other shapes, and other platforms, run the s8 x s8 dot (one
+row padded with a zero row on the CPU, where a one-row int8 dot is slow).
 """
 
 from __future__ import annotations

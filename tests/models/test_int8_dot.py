@@ -46,7 +46,7 @@ def test_the_extremes_do_not_overflow():
 def test_the_cpu_runs_u8_times_s8_in_a_ynnpack_fusion():
     """The form exists for XLA:CPU's YNNPACK u8 x s8 kernel (1.3-1.9x the s8 x s8 dot at 8-32
     rows): the compiled step holds a u8 x s8 dot inside a YNNPACK fusion. A jax upgrade that stops
-    fusing it fails here (or fails the compile: XLA:CPU's other dot emitter takes no mixed types)."""
+    fusing it fails here (XLA:CPU would convert both operands to int32: exact, but slow)."""
     import jax
     import jax.numpy as jnp
 
@@ -61,8 +61,8 @@ def test_the_cpu_runs_u8_times_s8_in_a_ynnpack_fusion():
 
 
 def test_shapes_ynnpack_refuses_take_the_s8_dot():
-    """Below YNNPACK's sizes (every size under 8) the mixed dot would fail the compile: those
-    shapes run s8 x s8."""
+    """Below YNNPACK's sizes (every size under 8) XLA:CPU would convert the mixed dot's operands
+    to int32: those shapes run s8 x s8."""
     import jax
     import jax.numpy as jnp
 
