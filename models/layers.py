@@ -115,7 +115,8 @@ def gated(gate_up: jax.Array, act: str) -> jax.Array:
 
 def proj(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     """x [t, ...] times a weight: x cast to the weight's dtype, accumulated and returned in f32
-    (a quantized weight runs its own product form, models/quant.py)."""
+    (a quantized weight runs its own product form, models/quant.py; so does a float32 one held
+    in-major on the CPU, models/in_major.py)."""
     if isinstance(w, (QuantizedWeight, InMajorWeight)):
         return w.product(spec, x)
     x = x.astype(w.dtype)
