@@ -4,8 +4,9 @@ stored transposed, [i, o], and multiplied as x . wt.
 XLA:CPU runs a float32 dot of 2 or more rows as a YNNPACK fusion, which packs the weight for its
 kernel on every call. Packing an out-major weight (the contracted axis minor) needs a transpose on
 the way; an in-major one does not. Measured on this 2-core CPU (the default model's four layer
-products x 30 layers, each fed by the last; BUILD_NOTES.md "In-major float32 weights"): 8 rows
-36.0 -> 27.4 ms, 32 rows 66.0 -> 54.5 ms, 64 rows 92.4 -> 89.2 ms, one row equal (XLA's own loop).
+products x 30 layers, each fed by the last, `python -m experiments.bench.quant_forms`;
+BUILD_NOTES.md "CPU attention forms", stop 45): 8 rows 49.2 -> 27.4 ms, 32 rows 80.3 -> 53.3 ms,
+256 rows 321.3 -> 298.5 ms, one row equal (XLA's own loop).
 bfloat16 products are equal in both layouts, and quantized weights keep out-major (their one-row
 form fuses the convert only into x . q^T), so only float32 is held this way.
 
@@ -47,12 +48,18 @@ class InMajorWeight:
     def product(self, spec: str, x: jax.Array) -> jax.Array:
         """x [t, i] times this [o, i] weight -> float32 [t, o]; spec is the served layout's einsum
         ("te,ne->tn", "tf,ef->te", ...), which must contract x's and the weight's last axes."""
-        inputs, out = spec.split("->")
-        lhs, rhs = inputs.split(",")
-        if len(lhs) != 2 or len(rhs) != 2 or lhs[1] != rhs[1] or out != lhs[0] + rhs[0] or self.wt.ndim != 2:
-            raise ValueError(f"an in-major weight takes an out-major product x[t, i] . w[o, i]; got "
-                             f"spec {spec!r} for a weight of shape {tuple(self.shape)}")
+        check_out_major(spec, self.shape, "an in-major")
         return jnp.dot(x.astype(self.dtype), self.wt, preferred_element_type=jnp.float32)
+
+
+def check_out_major(spec: str, shape: tuple, kind: str) -> None:
+    """A ValueError unless `spec` is an out-major product x[t, i] . w[o, i] of a 2-D weight of
+    `shape` (the served layout's einsums; `kind` names the weight in the message)."""
+    inputs, out = spec.split("->")
+    lhs, rhs = inputs.split(",")
+    if len(lhs) != 2 or len(rhs) != 2 or lhs[1] != rhs[1] or out != lhs[0] + rhs[0] or len(shape) != 2:
+        raise ValueError(f"{kind} weight takes an out-major product x[t, i] . w[o, i]; got "
+                         f"spec {spec!r} for a weight of shape {tuple(shape)}")
 
 
 def hold_in_major(params: dict) -> dict:

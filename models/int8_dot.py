@@ -14,9 +14,9 @@ every row:
 
 The correction is computed by the same dot from the weight codes it already reads, so nothing is
 stored beside the weights and it is right on every device of a mesh (a row-parallel weight's
-local columns). Measured on this 2-core CPU (the default model's 120 layer products, medians of
-20 shuffled rounds, BUILD_NOTES.md "u8 activations"): 8 rows 13.0 -> 9.8 ms with the extra row,
-16 rows 19.0 -> 11.1 ms, 32 rows 31.1 -> 16.8 ms.
+local columns). Measured on this 2-core CPU (the default model's 120 layer products with their
+activation quantization, `python -m experiments.bench.quant_forms`; BUILD_NOTES.md
+"Quantization", stop 45): 8 rows 30.3 -> 24.0 ms, 16 rows 39.7 -> 27.0 ms, 32 rows 55.3 -> 37.9 ms.
 
 jax's dot_general converts mixed integer operands to the result type before the dot on the CPU,
 so the mixed dot is a primitive of its own (`_U8S8_DOT`) lowered straight to a stablehlo dot of
@@ -58,7 +58,7 @@ def _lower(ctx, xu, q):
 
 _U8S8_DOT = Primitive("jaxserve_u8s8_dot")
 _U8S8_DOT.def_abstract_eval(_abstract)
-_U8S8_DOT.def_impl(lambda xu, q: jax.jit(_U8S8_DOT.bind)(xu, q))
+_U8S8_DOT.def_impl(jax.jit(_U8S8_DOT.bind))  # eager calls (tests) compile the one dot
 mlir.register_lowering(_U8S8_DOT, _lower)
 
 
@@ -68,12 +68,18 @@ def _ynn_takes(rows: int, i: int, o: int) -> bool:
     return rows > 1 and o > 1 and max(rows, i, o) >= 8
 
 
-def _s8s8(xq, q):
+def codes_product(xq: jax.Array, q: jax.Array, acc) -> jax.Array:
+    """xq [t, i] . q[o, i]^T of 8-bit codes of one type (int8, or fp8 as models/quant.py's fp8 x
+    fp8 form), accumulated in `acc`; one row padded with a zero row (XLA:CPU runs a one-row 8-bit
+    dot on a slow path)."""
     rows = xq.shape[0]
-    if rows == 1:  # XLA:CPU runs a one-row int8 dot on a slow path: a zero row keeps it fast
+    if rows == 1:
         xq = jnp.concatenate([xq, jnp.zeros_like(xq)])
-    y = jax.lax.dot_general(xq, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
-    return y[:rows]
+    return jax.lax.dot_general(xq, q, (((1,), (1,)), ((), ())), preferred_element_type=acc)[:rows]
+
+
+def _s8s8(xq, q):
+    return codes_product(xq, q, jnp.int32)
 
 
 def _u8s8(xq, q):

@@ -84,7 +84,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from models.int8_dot import int8_product
+from models.in_major import check_out_major
+from models.int8_dot import codes_product, int8_product
 from models.weight_formats import QUANTIZATIONS, QUANTIZED_TABLES
 
 # quantize_params(activation_group=G): activations quantized with one scale per G input channels
@@ -169,11 +170,7 @@ class QuantizedWeight:
         """x [t, i] times this [o, i] weight -> float32 [t, o]; spec is the served layout's
         einsum ("te,ne->tn", "tf,ef->te", ...), which must contract x's and the weight's last
         axes."""
-        inputs, out = spec.split("->")
-        lhs, rhs = inputs.split(",")
-        if len(lhs) != 2 or len(rhs) != 2 or lhs[1] != rhs[1] or out != lhs[0] + rhs[0] or self.q.ndim != 2:
-            raise ValueError(f"a quantized weight takes an out-major product x[t, i] . w[o, i]; got "
-                             f"spec {spec!r} for a weight of shape {tuple(self.q.shape)}")
+        check_out_major(spec, self.q.shape, "a quantized")
         if self.input_scale is not None:  # smoothed: x / s . (W * s)^T
             x = (x.astype(jnp.float32) * self.input_scale).astype(x.dtype)
         if self.quantizes_activations(x.shape[0]) and self.activation_group:
@@ -182,11 +179,8 @@ class QuantizedWeight:
             xq, sx = quantize_rows(x, self.method)
             if self.method == "int8":  # per platform (models/int8_dot.py: u8 x s8 on the CPU)
                 y = int8_product(xq, self.q)
-            else:  # one row padded with a zero row, as the int8 s8 x s8 form (XLA:CPU's slow path)
-                rows = xq.shape[0]
-                xq = jnp.concatenate([xq, jnp.zeros_like(xq)]) if rows == 1 else xq
-                y = jax.lax.dot_general(xq, self.q, (((1,), (1,)), ((), ())),
-                                        preferred_element_type=jnp.float32)[:rows]
+            else:
+                y = codes_product(xq, self.q, jnp.float32)
             return y.astype(jnp.float32) * sx * self.scale[None, :]
         if self.block is not None:
             return self._block_product(x.astype(self.dtype))
