@@ -245,6 +245,11 @@ class _Model:
         return carry
 
 
+def _unrotated(*xs):
+    """kv_quant.rotate_heads's signature, rotating nothing (a float cache)."""
+    return xs if len(xs) > 1 else xs[0]
+
+
 def forward_dense(params: dict, config: ModelConfig, token_ids: jax.Array,
                   kv_cache_dtype: str = "auto") -> jax.Array:
     """Logits [t, v] (float32) for one sequence of token ids [t], no cache.
@@ -257,10 +262,10 @@ def forward_dense(params: dict, config: ModelConfig, token_ids: jax.Array,
     model = _Model(config, params["embed"].dtype, lambda y: y)
     positions = jnp.arange(token_ids.shape[0], dtype=jnp.int32)
 
-    rotate = (lambda x: x) if kv_cache_dtype == "auto" else rotate_heads  # as forward_paged does
+    rotate = _unrotated if kv_cache_dtype == "auto" else rotate_heads  # as forward_paged does
 
     def attend(q, k, v, cache, kind, index):
-        q, k, v = rotate(q), rotate(k), rotate(v)
+        q, k, v = rotate(q, k, v)
         k, v = fake_quantize_kv(k, kv_cache_dtype), fake_quantize_kv(v, kv_cache_dtype)
         return rotate(dense_causal_attention(q, k, v, config.sm_scale, config.window_of(kind),
                                              config.attn_logit_softcap)), cache
@@ -340,7 +345,7 @@ def forward_paged(
     kv_dtype = kv_cache[0].dtype
     eight_bit = isinstance(kv_cache[0], ScaledCache)
     # An 8-bit cache holds K and V in a rotated head basis: q, k, v rotated, the output back.
-    rotate = rotate_heads if eight_bit else (lambda x: x)
+    rotate = rotate_heads if eight_bit else _unrotated
     if kv_dtype == jnp.uint16 or eight_bit:
         kv_dtype = params["embed"].dtype
     reduce = (lambda y: y) if tp_axis is None else (lambda y: jax.lax.psum(y, tp_axis))
@@ -356,7 +361,7 @@ def forward_paged(
         group = 2 if two_groups and window is not None else 0  # its (k, v) pair in `cache`
         k_cache, v_cache = cache[group], cache[group + 1]
         index = rank_in_kind(config, index, kind) if two_groups else layer_index(index)
-        q, k, v = rotate(q), rotate(k), rotate(v)
+        q, k, v = rotate(q, k, v)
         k_cache, v_cache = write_kv(k_cache, v_cache, k, v, slots[window], layer=index,
                                     backend=attention_backend, interpret=interpret)
         attn = ragged_paged_attention(

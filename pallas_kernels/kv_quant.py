@@ -233,11 +233,11 @@ def rotation(head_dim: int) -> np.ndarray:
     return np.kron(np.eye(head_dim // block), h / np.sqrt(block)).astype(np.float32)
 
 
-def rotate_heads(x: jax.Array) -> jax.Array:
-    """x [..., D] times `rotation(D)`, computed in float32 as a fast Walsh-Hadamard transform
-    (log2(block) add/subtract passes: D / log2 D times fewer operations than the product by the
-    matrix; on the CPU both cost the int8-cache engine about 4 % of its tok/s, BUILD_NOTES.md),
-    in x's dtype; rotating twice gives x back (up to rounding).
+def rotate_heads(*xs: jax.Array) -> jax.Array | tuple[jax.Array, ...]:
+    """Each x [..., H_i, D] (the same leading dims and D) times `rotation(D)`, computed in float32
+    as one product of all of them, concatenated along the head axis, by the matrix; each result in
+    its x's dtype (one x: the array, several: a tuple). Rotating twice gives x back (up to
+    rounding).
 
     Why (models/llama.py applies it to q, k and v before an 8-bit cache is written and read, and
     to the attention output after): q . k and P . V are unchanged by an orthogonal rotation of
@@ -247,18 +247,29 @@ def rotate_heads(x: jax.Array) -> jax.Array:
     error on the big products). Rotated, every channel carries a share of the magnitude.
     Measured on the default model (BUILD_NOTES.md "Quantization", stop 42): the KL divergence
     from float32 of an int8 cache 0.0006 -> 0.0002, of an fp8 cache 0.0036 -> 0.0029; its clear
-    greedy positions stay at the line (fp8 64 of 65 in this form, 65 as a product by the matrix).
-    The cache layout and the kernels do not change: they hold and read the rotated K and V."""
-    d = x.shape[-1]
-    block = d & -d
-    y = x.astype(jnp.float32).reshape(*x.shape[:-1], d // block, block)
-    h = 1
-    while h < block:  # the fast Walsh-Hadamard transform: one butterfly per bit of the block index
-        pairs = y.reshape(*y.shape[:-1], block // (2 * h), 2, h)
-        a, b = pairs[..., 0, :], pairs[..., 1, :]
-        y = jnp.stack([a + b, a - b], axis=-2).reshape(y.shape)
-        h *= 2
-    return (y.reshape(x.shape) * jnp.float32(block ** -0.5)).astype(x.dtype)
+    greedy positions stay at the line. The cache layout and the kernels do not change: they hold
+    and read the rotated K and V.
+
+    Why one product of q, k and v together (stop 46): on the CPU a layer's rotations were 24
+    small ops as fast Walsh-Hadamard passes (log2 D add/subtract passes each for q, k, v and the
+    output), about 1.2 ms of an 8-row int8 step's 26-28 ms; as two products (q, k, v together,
+    then the output) they are 3 ops (BUILD_NOTES.md "Quantization", stop 46). Precision HIGHEST:
+    a float32 product on a TPU or GPU may otherwise round its operands to bfloat16 or tf32."""
+    if not xs:
+        raise ValueError("rotate_heads takes at least one array")
+    d, lead = xs[0].shape[-1], xs[0].shape[:-2]
+    for x in xs:
+        if x.ndim < 2 or x.shape[-1] != d or x.shape[:-2] != lead:
+            raise ValueError(f"rotate_heads takes arrays [..., H, D] with the same leading dims and D; got "
+                             f"{[tuple(x.shape) for x in xs]}")
+    x = jnp.concatenate([x.astype(jnp.float32) for x in xs], axis=-2) if len(xs) > 1 else xs[0].astype(jnp.float32)
+    y = jnp.dot(x, jnp.asarray(rotation(d)), precision=jax.lax.Precision.HIGHEST,
+                preferred_element_type=jnp.float32)
+    out, start = [], 0
+    for x in xs:
+        out.append(y[..., start:start + x.shape[-2], :].astype(x.dtype))
+        start += x.shape[-2]
+    return out[0] if len(xs) == 1 else tuple(out)
 
 
 def fake_quantize_kv(x: jax.Array, kv_cache_dtype: str) -> jax.Array:
