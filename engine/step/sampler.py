@@ -4,8 +4,9 @@ and min-p filters, per-request seeds, and logprobs, over L logit rows (one per s
 Each logit row belongs to a request-table slot (`inputs.logits_slots`); its sampling values and
 penalty state are gathered from the table on the device (request_table.py).
 
-1. Logprobs are the log-softmax of the raw logits (before penalties and temperature), as in vLLM.
-   Then (each only when some row uses it) the slot's logit-bias row is added (logit_bias,
+1. Logprobs are the log-softmax of the raw logits (before penalties and temperature), as in vLLM,
+   computed only in a step where some row wants them (flags[3]: a request's logprobs, or prompt
+   scoring); otherwise the packed logprob columns are zeros and the host reads none. Then (each only when some row uses it) the slot's logit-bias row is added (logit_bias,
    allowed_token_ids, single-token bad_words) and the host-filled token mask of constrained rows
    (structured output) sets every disallowed logit to -inf, before anything below.
 2. Penalties (only when some row uses one): repetition (CTRL-style, over prompt and output),
@@ -109,7 +110,7 @@ def sample(logits, inputs, table: TableState, *, num_logprobs: int, num_speculat
     capacity = table.temperature.shape[0]
     gather_slots = jnp.minimum(slots, capacity - 1)
     rows = _Rows(**{name: getattr(table, name)[gather_slots] for name, _, _ in SAMPLING_FIELDS})
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    raw_logits = logits  # logprobs are of the raw logits (below, only when some row wants them)
     k = num_speculative_tokens
     draft_counts = None
     if k:
@@ -141,13 +142,28 @@ def sample(logits, inputs, table: TableState, *, num_logprobs: int, num_speculat
         table = table.count_tokens(jnp.where(kept, counted, capacity), token_ids)
     else:
         table = table.count_tokens(counted, token_ids)
-    token_logprob = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)[:, 0]
-    parts = [token_ids.astype(jnp.float32)[:, None], token_logprob[:, None]]
-    if num_logprobs:
-        def top(x):
-            vals, ids = jax.lax.top_k(x, num_logprobs)
-            return jnp.concatenate([ids.astype(jnp.float32), vals], axis=-1)
-
-        zeros = lambda x: jnp.zeros((x.shape[0], 2 * num_logprobs), jnp.float32)
-        parts.append(jax.lax.cond(inputs.flags[3] > 0, top, zeros, logprobs))
+    parts = [token_ids.astype(jnp.float32)[:, None]]
+    parts.append(jax.lax.cond(inputs.flags[3] > 0, _logprobs(num_logprobs), _no_logprobs(num_logprobs),
+                              raw_logits, token_ids))
     return table, jnp.concatenate(parts, axis=-1)
+
+
+def _logprobs(num_logprobs: int):
+    """(logits [L, V], token_ids [L]) -> float32 [L, 1 + 2 * num_logprobs]: each token's logprob,
+    then the top ids and their logprobs."""
+    def fn(logits, token_ids):
+        logprobs = jax.nn.log_softmax(logits, axis=-1)
+        parts = [jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)]
+        if num_logprobs:
+            vals, ids = jax.lax.top_k(logprobs, num_logprobs)
+            parts += [ids.astype(jnp.float32), vals]
+        return jnp.concatenate(parts, axis=-1)
+
+    return fn
+
+
+def _no_logprobs(num_logprobs: int):
+    """_logprobs' shape, zeros: no row of the step wants logprobs (flags[3] is 0), so the host
+    reads none (step_result.read_result), and the log-softmax over the vocabulary is skipped
+    (~0.5 ms of an 8-row step on the CPU, the default model; BUILD_NOTES.md "Quantization", stop 46)."""
+    return lambda logits, token_ids: jnp.zeros((logits.shape[0], 1 + 2 * num_logprobs), jnp.float32)
