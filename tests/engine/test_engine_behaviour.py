@@ -55,6 +55,34 @@ def test_no_compilation_during_200_random_requests(tiny_engine):
     assert engine.get_stats().num_compilations == before
 
 
+def test_logprobs_of_one_request_among_requests_that_want_none(tiny_engine):
+    """The sampler computes the log-softmax only in steps where some row wants logprobs
+    (engine/step/sampler.py): a request with logprobs gets the same values alone and among
+    requests without them, which get none; a step after it, with none wanted, still samples."""
+    engine = tiny_engine
+    rng = np.random.default_rng(5)
+    vocab = engine.model_config.vocab_size
+    target = rng.integers(0, vocab, 20).tolist()
+    wants = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
+    alone = run_to_completion(engine, [("lp-alone", target, wants)])["lp-alone"].outputs[0]
+    assert len(alone.logprobs) == 6 and all(len(e) >= 3 for e in alone.logprobs)
+    assert all(v <= 0.0 for e in alone.logprobs for v in e.values())
+    assert all(v < -1.0 for e, t in zip(alone.logprobs, alone.token_ids) for k, v in e.items() if k != t)
+    assert alone.cumulative_logprob == pytest.approx(sum(e[t] for e, t in zip(alone.logprobs, alone.token_ids)))
+    none = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    others = [(f"lp-other{i}", rng.integers(0, vocab, 12).tolist(), none) for i in range(5)]
+    outs = run_to_completion(engine, others[:2] + [("lp-batch", target, wants)] + others[2:])
+    batched = outs["lp-batch"].outputs[0]
+    assert batched.token_ids == alone.token_ids
+    for a, b in zip(alone.logprobs, batched.logprobs):
+        assert a.keys() == b.keys()
+        np.testing.assert_allclose([b[t] for t in a], [a[t] for t in a], atol=1e-4)
+    for rid, ids, _ in others:  # no logprobs asked: none reported, and the tokens are greedy's alone
+        out = outs[rid].outputs[0]
+        assert out.logprobs is None and out.cumulative_logprob is None
+        assert out.token_ids == run_to_completion(engine, [(rid + "-alone", ids, none)])[rid + "-alone"].outputs[0].token_ids
+
+
 def test_seed_gives_same_tokens_alone_and_in_a_batch_of_16(tiny_engine):
     engine = tiny_engine
     rng = np.random.default_rng(3)
