@@ -60,6 +60,7 @@ class EngineConfig:
     prompt_scoring_bucket: bool = True  # compile the largest token bucket once more with a logit row per token, for the steps that score a prompt (prompt_logprobs; echo with logprobs): a scored prompt then advances by its share of the token budget under load; False: one executable fewer, and a scored prompt gets only the logit rows the other requests leave
     precompile: bool = True  # compile every bucket at start-up
     background_compile: bool = False  # with precompile: compile the smallest and largest buckets at start-up and the rest on a background thread (steps pad to a compiled bucket meanwhile); make serve turns it on
+    cpu_reuse_freed_memory: bool | None = None  # on the CPU: glibc malloc keeps the memory a step frees for the next (its mmap and trim thresholds raised to 1 GiB, process-wide; engine/step/host_memory.py), so XLA:CPU's per-step temporaries above 32 MiB are not mapped and zeroed afresh every step; None: where glibc is present, True: an error where it is not, False: the allocator as the process set it
     warmup: bool = True  # run each compiled bucket once on an all-padding step before any request does (XLA:CPU's first run of an executable costs ~0.3 s more than the next); buckets compiled in the background warm while the server is idle; False: the first step in each bucket pays it
     tensor_parallel_size: int = 1  # devices one model is split over (the mesh's "model" axis)
     data_parallel_size: int = 1  # replicas, each on its own tensor_parallel_size devices ("data")
@@ -119,7 +120,7 @@ class EngineConfig:
             raise ValueError("EngineConfig.coordinator_address (HOST:PORT) is needed with num_processes > 1")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"EngineConfig.seed must be an integer, got {self.seed!r}")
-        for name in ("scan_layers", "stack_layer_weights"):
+        for name in ("scan_layers", "stack_layer_weights", "cpu_reuse_freed_memory"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"EngineConfig.{name} must be a boolean or None, got {value!r}")

@@ -26,6 +26,7 @@ from engine.step.buckets import (
     resolve_seq_buckets,
     resolve_token_buckets,
 )
+from engine.step.host_memory import reuse_freed_memory
 from engine.step.kv_cache import cache_budget, pool_sizes
 from engine.step.model_runner import ModelRunner
 from engine.step.tpu_cache_layout import laid_out_factor
@@ -110,6 +111,7 @@ def build_parts(config: EngineConfig, *, progress: bool = True, mesh=None, loade
     enable_compilation_cache(config.compilation_cache_dir)
     mesh = mesh if mesh is not None else default_placement(config)
     platform = jax.devices()[0].platform
+    reuse_freed_memory(config.cpu_reuse_freed_memory, platform)  # the CPU: XLA:CPU temporaries reused
     dtype = resolve_dtype(config, platform)
     backend = resolve_backend(config.attention_backend, platform)
     if backend != "xla" and platform == "cpu" and not config.interpret:
