@@ -11,8 +11,9 @@ page faults a step.
 `reuse_freed_memory` raises glibc's mmap threshold and its trim threshold to REUSE_BYTES
 (mallopt). Allocations below that size come from the heap, and up to that much freed memory stays
 there for the next step. Measured on this 2-core CPU (BUILD_NOTES.md "Host memory", stop 46): on
-the fixed workload at 32 requests, minor page faults fell from 2.7 M to 0.9-1.1 M a run, and
-float32 ran 1.03-1.09x and bfloat16 1.11-1.20x faster.
+the fixed workload at 32 requests, minor page faults fell from 2.7 M to 0.9-1.4 M a run, and the
+32-row step's device time by 1.10x in float32 and 1.07x in bfloat16 (medians of three alternated
+rounds).
 
 The cost: the process's resident memory stays near its peak (up to REUSE_BYTES freed but kept).
 mallopt is process-wide, so the setting applies to everything in the process. It is applied once,
