@@ -250,11 +250,11 @@ def rotate_heads(*xs: jax.Array) -> jax.Array | tuple[jax.Array, ...]:
     greedy positions stay at the line. The cache layout and the kernels do not change: they hold
     and read the rotated K and V.
 
-    Why one product of q, k and v together (stop 46): on the CPU a layer's rotations were 24
-    small ops as fast Walsh-Hadamard passes (log2 D add/subtract passes each for q, k, v and the
-    output), about 1.2 ms of an 8-row int8 step's 26-28 ms; as two products (q, k, v together,
-    then the output) they are 3 ops (BUILD_NOTES.md "Quantization", stop 46). Precision HIGHEST:
-    a float32 product on a TPU or GPU may otherwise round its operands to bfloat16 or tf32."""
+    Why one product of q, k and v together (stop 46): on the CPU a layer's rotations as fast
+    Walsh-Hadamard transforms (log2 D add/subtract passes each for q, k, v and the output) were 33
+    small op executions, about 1.2 ms of an 8-row int8 step's 26-28 ms; as two products (q, k, v
+    together, then the output) about 0.6 ms (BUILD_NOTES.md "Quantization", stop 46). Precision
+    HIGHEST: a float32 product on a TPU or GPU may otherwise round its operands to bfloat16 or tf32."""
     if not xs:
         raise ValueError("rotate_heads takes at least one array")
     d, lead = xs[0].shape[-1], xs[0].shape[:-2]

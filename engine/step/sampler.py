@@ -6,9 +6,10 @@ penalty state are gathered from the table on the device (request_table.py).
 
 1. Logprobs are the log-softmax of the raw logits (before penalties and temperature), as in vLLM,
    computed only in a step where some row wants them (flags[3]: a request's logprobs, or prompt
-   scoring); otherwise the packed logprob columns are zeros and the host reads none. Then (each only when some row uses it) the slot's logit-bias row is added (logit_bias,
-   allowed_token_ids, single-token bad_words) and the host-filled token mask of constrained rows
-   (structured output) sets every disallowed logit to -inf, before anything below.
+   scoring); otherwise the packed logprob columns are zeros and the host reads none. Then (each
+   only when some row uses it) the slot's logit-bias row is added (logit_bias, allowed_token_ids,
+   single-token bad_words) and the host-filled token mask of constrained rows (structured output)
+   sets every disallowed logit to -inf, before anything below.
 2. Penalties (only when some row uses one): repetition (CTRL-style, over prompt and output),
    then frequency and presence (OpenAI's, over the output), from the table's token counts.
 3. Greedy rows take the argmax of the penalized logits.
