@@ -15,6 +15,11 @@ the fixed workload at 32 requests, minor page faults fell from 2.7 M to 0.9-1.4 
 32-row step's device time by 1.10x in float32 and 1.07x in bfloat16 (medians of three alternated
 rounds).
 
+In a thread other than the main one (the server's engine loop), glibc's per-thread arena grows
+in heaps of at most 64 MiB. So a block above that, such as the prompt-scoring bucket's 339 MiB, is
+still mapped afresh there. A 48 MiB block is reused in a thread as on the main thread.
+M_ARENA_MAX=1 would reuse both, at the cost of one malloc lock for every thread; it is not set.
+
 The cost: the process's resident memory stays near its peak (up to REUSE_BYTES freed but kept).
 mallopt is process-wide, so the setting applies to everything in the process. It is applied once,
 by the first CPU engine built, and never undone. Without glibc (macOS, musl) there is no mallopt:
