@@ -17,7 +17,7 @@ rounds).
 
 In a thread other than the main one (the server's engine loop), glibc's per-thread arena grows
 in heaps of at most 64 MiB. So a block above that, such as the prompt-scoring bucket's 339 MiB, is
-still mapped afresh there. A 48 MiB block is reused in a thread as on the main thread.
+still mapped afresh there. A 42 MiB block is reused in a thread as on the main thread.
 M_ARENA_MAX=1 would reuse both, at the cost of one malloc lock for every thread; it is not set.
 
 The cost: the process's resident memory stays near its peak (up to REUSE_BYTES freed but kept).
