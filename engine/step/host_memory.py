@@ -55,8 +55,14 @@ def reuse_freed_memory(required: bool | None, platform: str) -> str:
     required: EngineConfig.cpu_reuse_freed_memory (None: where possible; True: raise where not
     possible; False: nothing)."""
     global _applied
-    if required is False or platform != "cpu":
-        return "off" if required is False else f"not needed on {platform}"
+    if required is False:  # mallopt cannot be taken back: an earlier engine's setting stays
+        if _applied is None:
+            return "off"
+        logger.warning("jaxserve: cpu_reuse_freed_memory=False, but an earlier engine in this process "
+                       "already set it (%s); it stays for the whole process", _applied)
+        return f"off, but an earlier engine in this process set it: {_applied}"
+    if platform != "cpu":
+        return f"not needed on {platform}"
     if _applied is not None:
         return _applied
     tunables = os.environ.get("GLIBC_TUNABLES", "")

@@ -52,6 +52,8 @@ def test_off_and_other_platforms_change_nothing(monkeypatch):
     assert host_memory.reuse_freed_memory(False, "cpu") == "off"
     assert host_memory.reuse_freed_memory(None, "tpu") == "not needed on tpu"
     assert host_memory.reuse_freed_memory(True, "gpu") == "not needed on gpu"
+    monkeypatch.setattr(host_memory, "_applied", "glibc mmap and trim thresholds at 1024 MiB")
+    assert "an earlier engine in this process set it" in host_memory.reuse_freed_memory(False, "cpu")
 
 
 def test_the_environment_s_own_malloc_settings_win(monkeypatch):
