@@ -76,6 +76,7 @@ def reuse_freed_memory(required: bool | None, platform: str) -> str:
             raise RuntimeError("EngineConfig.cpu_reuse_freed_memory=True needs glibc's mallopt, which this "
                                "process does not have (macOS, musl); leave it None or set it False")
         _applied = "not available (no glibc mallopt)"
+        logger.info("jaxserve: freed host memory is not kept for the next step: %s", _applied)
         return _applied
     for option, name in ((M_MMAP_THRESHOLD, "M_MMAP_THRESHOLD"), (M_TRIM_THRESHOLD, "M_TRIM_THRESHOLD")):
         if libc.mallopt(ctypes.c_int(option), ctypes.c_int(REUSE_BYTES)) != 1:
@@ -83,6 +84,7 @@ def reuse_freed_memory(required: bool | None, platform: str) -> str:
                 raise RuntimeError(f"EngineConfig.cpu_reuse_freed_memory=True: glibc refused mallopt({name}, "
                                    f"{REUSE_BYTES})")
             _applied = f"not available (glibc refused mallopt({name}))"
+            logger.warning("jaxserve: freed host memory is not kept for the next step: %s", _applied)
             return _applied
     _applied = f"glibc mmap and trim thresholds at {REUSE_BYTES >> 20} MiB"
     logger.info("jaxserve: freed host memory kept for the next step (%s)", _applied)
