@@ -262,7 +262,7 @@ def rotate_heads(*xs: jax.Array) -> jax.Array | tuple[jax.Array, ...]:
         if x.ndim < 2 or x.shape[-1] != d or x.shape[:-2] != lead:
             raise ValueError(f"rotate_heads takes arrays [..., H, D] with the same leading dims and D; got "
                              f"{[tuple(x.shape) for x in xs]}")
-    x = jnp.concatenate([x.astype(jnp.float32) for x in xs], axis=-2) if len(xs) > 1 else xs[0].astype(jnp.float32)
+    x = jnp.concatenate([x.astype(jnp.float32) for x in xs], axis=-2)  # one array: no copy
     y = jnp.dot(x, jnp.asarray(rotation(d)), precision=jax.lax.Precision.HIGHEST,
                 preferred_element_type=jnp.float32)
     out, start = [], 0
