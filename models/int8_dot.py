@@ -7,16 +7,23 @@ int32 [t, o] = xq . q^T, exact.
 On XLA:CPU the product is a YNNPACK fusion. Its int8 kernels take unsigned activations times
 signed weights (the VNNI instruction's u8 x s8 form); given s8 x s8 it runs a slower path. So the
 CPU form shifts the activations into u8, xu = xq + 128 (the bits of xq with the sign bit flipped),
-and appends one row of 128s; that row's product is 128 * sum_i q[o, i], which the shift added to
-every row:
+and takes back 128 * sum_i q[o, i], which the shift added to every row:
 
     xq . q^T = xu . q^T - 128 * rowsum(q)        (all int32, exact: |xu . q^T| <= 255 * 127 * i)
 
-The correction is computed by the same dot from the weight codes it already reads, so nothing is
-stored beside the weights and it is right on every device of a mesh (a row-parallel weight's
-local columns). Measured on this 2-core CPU (the default model's 120 layer products with their
-activation quantization, `python -m experiments.bench.quant_forms`; BUILD_NOTES.md
-"Quantization", stop 45): 8 rows 30.3 -> 24.0 ms, 16 rows 39.7 -> 27.0 ms, 32 rows 55.3 -> 37.9 ms.
+Measured on this 2-core CPU (the default model's 120 layer products with their activation
+quantization, `python -m experiments.bench.quant_forms`; BUILD_NOTES.md "Quantization", stop 45):
+8 rows 30.3 -> 24.0 ms, 16 rows 39.7 -> 27.0 ms, 32 rows 55.3 -> 37.9 ms.
+
+The correction's sums come from one of two places:
+  given     `code_sums` int32 [o] = sum_i q[o, i], computed once from the weight (the CPU's
+            single-device layer loop holds them: models/quant.py `hold_code_sums`): the dot is
+            the t rows alone, xu . q^T - 128 * code_sums. One row fewer than the next form, which
+            YNNPACK's kernel charges for (the bare chain of the 120 products, scratch, quiet
+            machine: 8.70 against 9.42 ms at 8 rows, 15.97 against 16.97 ms at 32).
+  computed  the same dot from the weight codes it already reads (the appended row of 128s), so
+            nothing is stored beside the weights and it is right on every device of a mesh (a
+            row-parallel weight's local columns, whose sums are the shard's): a mesh runs this.
 
 jax's dot_general converts mixed integer operands to the result type before the dot on the CPU,
 so the mixed dot is a primitive of its own (`_U8S8_DOT`) lowered straight to a stablehlo dot of
@@ -82,17 +89,27 @@ def _s8s8(xq, q):
     return codes_product(xq, q, jnp.int32)
 
 
-def _u8s8(xq, q):
+def _u8s8(xq, q, code_sums=None):
     rows = xq.shape[0]
     xu = jax.lax.bitcast_convert_type(xq, jnp.uint8) ^ np.uint8(0x80)  # xq + 128
+    if code_sums is not None:
+        if rows == 1:  # YNNPACK takes no vector operand: the row twice, one result kept
+            xu = jnp.concatenate([xu, xu])
+        return _U8S8_DOT.bind(xu, q)[:rows] - _SHIFT * code_sums[None, :]
     xu = jnp.concatenate([xu, jnp.full((1, xu.shape[1]), _SHIFT, jnp.uint8)])
     y = _U8S8_DOT.bind(xu, q)
     return y[:rows] - y[rows:]
 
 
-def int8_product(xq: jax.Array, q: jax.Array) -> jax.Array:
-    """xq [t, i] int8 . q[o, i]^T int8 -> int32 [t, o], exact (module docstring)."""
-    if not _ynn_takes(xq.shape[0] + 1, q.shape[1], q.shape[0]):
+def int8_product(xq: jax.Array, q: jax.Array, code_sums: jax.Array | None = None) -> jax.Array:
+    """xq [t, i] int8 . q[o, i]^T int8 -> int32 [t, o], exact (module docstring). code_sums int32
+    [o]: q's sums over i, if held (the CPU form then needs no correction row); they must be q's."""
+    if code_sums is not None and (code_sums.shape != q.shape[:1] or code_sums.dtype != jnp.int32):
+        raise ValueError(f"code_sums must be int32 [{q.shape[0]}] (the weight's sums over its input); got "
+                         f"{code_sums.dtype}{list(code_sums.shape)}")
+    if not _ynn_takes(max(xq.shape[0] + (code_sums is None), 2), q.shape[1], q.shape[0]):
         return _s8s8(xq, q)
     # The platform the step is lowered for (a compile for a TPU on a CPU host takes the TPU's).
-    return jax.lax.platform_dependent(xq, q, cpu=_u8s8, default=_s8s8)
+    if code_sums is None:
+        return jax.lax.platform_dependent(xq, q, cpu=_u8s8, default=_s8s8)
+    return jax.lax.platform_dependent(xq, q, code_sums, cpu=_u8s8, default=lambda xq, q, _: _s8s8(xq, q))

@@ -129,6 +129,10 @@ class QuantizedWeight:
     # Block weights only: a float32 value added per block ([..., o, i / block]; GGUF Q4_1's m),
     # w = scale * q + offset. None: no offset.
     offset: jax.Array | None = None
+    # int32 [o] or None: sum_i q[o, i] of a 2-D int8 weight with per-row scales, held where the
+    # CPU's u8 x s8 product reads them (`hold_code_sums`; models/int8_dot.py). None: the product
+    # computes the correction itself.
+    code_sums: jax.Array | None = None
 
     @property
     def dtype(self):
@@ -178,7 +182,7 @@ class QuantizedWeight:
         if self.quantizes_activations(x.shape[0]):
             xq, sx = quantize_rows(x, self.method)
             if self.method == "int8":  # per platform (models/int8_dot.py: u8 x s8 on the CPU)
-                y = int8_product(xq, self.q)
+                y = int8_product(xq, self.q, self.code_sums)
             else:
                 y = codes_product(xq, self.q, jnp.float32)
             return y.astype(jnp.float32) * sx * self.scale[None, :]
@@ -342,3 +346,27 @@ def quantize_with_amax(w: jax.Array, amax: jax.Array, method: str, *, activation
     scale = jnp.where(amax > 0, amax / _QMAX[method], 1.0)
     q = _to_stored(w.astype(jnp.float32) / scale[..., None], method)
     return QuantizedWeight(q, scale, jnp.dtype(w.dtype).name, activation_rows, activation_group)
+
+
+def hold_code_sums(params: dict) -> dict:
+    """A served layout (one device) with each 2-D int8 weight that quantizes its activations given
+    its code sums (QuantizedWeight.code_sums), so the CPU's u8 x s8 product needs no correction row
+    (models/int8_dot.py); anything else as it is. Not for a mesh's shards: a row-parallel weight's
+    local sums are not the whole row's."""
+
+    def held(w):
+        if (isinstance(w, QuantizedWeight) and w.q.dtype == jnp.int8 and w.q.ndim == 2 and w.block is None
+                and w.activation_rows is not None and w.activation_group is None and w.code_sums is None):
+            return dataclasses.replace(w, code_sums=_code_sums(w.q))
+        return w
+
+    layers = params["layers"]
+    out = {k: held(w) for k, w in params.items() if k != "layers"}
+    out["layers"] = ([{k: held(w) for k, w in d.items()} for d in layers] if isinstance(layers, list)
+                     else {k: held(w) for k, w in layers.items()})
+    return out
+
+
+@jax.jit
+def _code_sums(q):
+    return jnp.sum(q.astype(jnp.int32), axis=-1)

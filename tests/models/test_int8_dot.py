@@ -90,6 +90,82 @@ def test_the_quantized_product_uses_it_and_stays_exact():
     np.testing.assert_array_equal(y, ref)
 
 
+
+@pytest.mark.parametrize("t,i,o", [(1, 576, 960), (2, 64, 48), (8, 1536, 576), (33, 64, 3072), (3, 4, 5),
+                                   (1, 3, 2)])
+def test_with_the_code_sums_held_it_is_the_same_exact_product(t, i, o):
+    import jax
+    import jax.numpy as jnp
+
+    from models.int8_dot import int8_product
+
+    rng = np.random.default_rng(t * 7 + i + o)
+    xq = jnp.asarray(rng.integers(-127, 128, (t, i), dtype=np.int8))
+    q = jnp.asarray(rng.integers(-127, 128, (o, i), dtype=np.int8))
+    sums = jnp.sum(q.astype(jnp.int32), axis=-1)
+    y = jax.jit(int8_product)(xq, q, sums)
+    assert y.dtype == jnp.int32 and y.shape == (t, o)
+    np.testing.assert_array_equal(np.asarray(y), _exact(xq, q))
+
+
+def test_held_code_sums_drop_the_correction_row():
+    """With the sums given, the CPU's u8 x s8 dot is the t rows alone (YNNPACK's kernel charges for
+    the extra row: module docstring), still in a YNNPACK fusion."""
+    import jax
+    import jax.numpy as jnp
+
+    from models.int8_dot import int8_product
+
+    args = (jax.ShapeDtypeStruct((8, 576), jnp.int8), jax.ShapeDtypeStruct((1536, 576), jnp.int8),
+            jax.ShapeDtypeStruct((1536,), jnp.int32))
+    text = jax.jit(int8_product).lower(*args).compile().as_text()
+    dots = [line for line in text.splitlines() if " dot(" in line]
+    assert len(dots) == 1 and "s32[8,1536]" in dots[0], dots
+    assert "u8[8,576]" in text and "u8[9," not in text
+    fusions = [line for line in text.splitlines() if "ynn_fusion = s32[8,1536]" in line]
+    assert len(fusions) == 1 and "kind=kCustom" in fusions[0], fusions
+
+
+@pytest.mark.parametrize("sums,match", [(np.zeros(5, np.int32), r"int32 \[6\]"),
+                                        (np.zeros(6, np.float32), "float32")])
+def test_code_sums_of_the_wrong_shape_or_type_are_refused(sums, match):
+    import jax.numpy as jnp
+
+    from models.int8_dot import int8_product
+
+    with pytest.raises(ValueError, match=match):
+        int8_product(jnp.zeros((8, 16), jnp.int8), jnp.zeros((6, 16), jnp.int8), jnp.asarray(sums))
+
+
+def test_hold_code_sums_gives_them_only_to_the_weights_whose_product_reads_them():
+    """2-D int8 weights with per-row scales that quantize their activations get their sums (equal
+    to the codes' sums); fp8, weight-only, grouped-activation, block and stacked weights and float
+    arrays are left as they are, and the held weight's product equals the unheld one's."""
+    import jax
+    import jax.numpy as jnp
+
+    from models.quant import QuantizedWeight, hold_code_sums, quantize_weight
+
+    rng = np.random.default_rng(5)
+    w = jnp.asarray(rng.standard_normal((96, 64)), jnp.float32)
+    int8 = quantize_weight(w, "int8", activation_rows=2)
+    left = {"fp8": quantize_weight(w, "fp8", activation_rows=2), "weight_only": quantize_weight(w, "int8"),
+            "grouped": quantize_weight(w, "int8", activation_rows=2, activation_group=32),
+            "block": QuantizedWeight(int8.q, jnp.ones((96, 2), jnp.float32), block=32),
+            "float": w}
+    stacked = quantize_weight(jnp.stack([w, w]), "int8", activation_rows=2)
+    held = hold_code_sums({"embed": int8, "layers": [{"qkv_proj": int8, **left}]})
+    assert held["layers"][0]["qkv_proj"].code_sums is not None and held["embed"].code_sums is not None
+    np.testing.assert_array_equal(np.asarray(held["embed"].code_sums),
+                                  np.asarray(int8.q, np.int64).sum(axis=-1))
+    for name, weight in left.items():
+        assert held["layers"][0][name] is weight, name
+    assert hold_code_sums({"layers": {"qkv_proj": stacked}})["layers"]["qkv_proj"].code_sums is None
+    x = jnp.asarray(rng.standard_normal((8, 64)), jnp.float32)
+    product = jax.jit(lambda w, x: w.product("te,ne->tn", x))
+    np.testing.assert_array_equal(np.asarray(product(held["embed"], x)), np.asarray(product(int8, x)))
+
+
 @pytest.mark.aot
 @pytest.mark.usefixtures("no_persistent_cache")
 def test_other_platforms_compile_the_s8_dot():
