@@ -14,6 +14,7 @@ row, not a block_q-row block, and a prefill chunk's pages are fetched once per c
 CHUNK_BLOCK_Q tokens and only up to the chunk's own position.
 """
 
+import jax
 import jax.numpy as jnp
 
 from pallas_kernels import metadata, validation, xla_split
@@ -117,4 +118,8 @@ def ragged_paged_attention_xla(
     rows = blocks_attention(q, kv, md, **options)
     if md.form == "loop":
         return rows
-    return xla_split.combine(rows, xla_split.chunks_attention(q, kv, md.chunks, **options), md)
+    # A step without prefill chunks (most decode steps) skips the chunks' buffers and the combine:
+    # the rows' output already holds zeros for every other token.
+    any_chunk = sum(ch.num_chunks for ch in md.chunks) > 0
+    return jax.lax.cond(any_chunk, lambda rows: xla_split.combine(
+        rows, xla_split.chunks_attention(q, kv, md.chunks, **options), md), lambda rows: rows, rows)
