@@ -183,3 +183,27 @@ def test_other_platforms_compile_the_s8_dot():
             jax.ShapeDtypeStruct((1536, 576), jnp.int8, sharding=shard))
     text = jax.jit(int8_product).lower(*args).compile().as_text()
     assert "u8[" not in text and "s8[8,576]" in text
+
+
+def test_the_cpu_switch_loop_serves_int8_weights_with_their_sums():
+    """serve_layout holds the sums for the switch loop (the CPU's, one device) only, and the served
+    model's logits with them are those without (the correction is exact either way)."""
+    import jax
+    import jax.numpy as jnp
+
+    from engine.step.program import serve_layout
+    from models.config import preset_config
+    from models.llama import forward_dense
+    from models.random_weights import random_params
+
+    config = preset_config("tiny")
+    params = random_params(config, dtype="float32")
+    switch = serve_layout(params, "switch", "int8", activation_rows=2)
+    unrolled = serve_layout(params, "unrolled", "int8", activation_rows=2)
+    assert all(layer[k].code_sums is not None for layer in switch["layers"]
+               for k in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+    assert all(getattr(w, "code_sums", None) is None for layer in unrolled["layers"] for w in layer.values())
+    ids = jnp.asarray([1, 5, 9, 2, 7, 3], jnp.int32)
+    a = jax.jit(lambda p: forward_dense(p, config, ids))(switch)
+    b = jax.jit(lambda p: forward_dense(p, config, ids))(unrolled)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
