@@ -183,6 +183,9 @@ def test_other_platforms_compile_the_s8_dot():
             jax.ShapeDtypeStruct((1536, 576), jnp.int8, sharding=shard))
     text = jax.jit(int8_product).lower(*args).compile().as_text()
     assert "u8[" not in text and "s8[8,576]" in text
+    sums = jax.ShapeDtypeStruct((1536,), jnp.int32, sharding=shard)  # held sums: unused there
+    text = jax.jit(int8_product).lower(*args, sums).compile().as_text()
+    assert "u8[" not in text and "s8[8,576]" in text
 
 
 def test_the_cpu_switch_loop_serves_int8_weights_with_their_sums():
