@@ -22,7 +22,8 @@ split form does the two kinds apart (BUILD_NOTES.md "CPU attention forms" has th
           forms": 3-5x dense attention with one tier of 64, 1.2-1.3x with the tail tier).
 
 Both parts are exact (the same online softmax in float32 as the loop form); `combine` takes each
-token from its part and zeroes padding tokens.
+token from its part and zeroes padding tokens. A step with no chunk in any tier (most decode
+steps) skips the chunks' part and the combine (xla_forms.py: a lax.cond on the chunk count).
 """
 
 import dataclasses
