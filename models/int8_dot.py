@@ -85,7 +85,8 @@ def codes_product(xq: jax.Array, q: jax.Array, acc) -> jax.Array:
     return jax.lax.dot_general(xq, q, (((1,), (1,)), ((), ())), preferred_element_type=acc)[:rows]
 
 
-def _s8s8(xq, q):
+def _s8s8(xq, q, code_sums=None):
+    del code_sums  # the s8 x s8 dot needs no correction
     return codes_product(xq, q, jnp.int32)
 
 
@@ -110,6 +111,4 @@ def int8_product(xq: jax.Array, q: jax.Array, code_sums: jax.Array | None = None
     if not _ynn_takes(max(xq.shape[0] + (code_sums is None), 2), q.shape[1], q.shape[0]):
         return _s8s8(xq, q)
     # The platform the step is lowered for (a compile for a TPU on a CPU host takes the TPU's).
-    if code_sums is None:
-        return jax.lax.platform_dependent(xq, q, cpu=_u8s8, default=_s8s8)
-    return jax.lax.platform_dependent(xq, q, code_sums, cpu=_u8s8, default=lambda xq, q, _: _s8s8(xq, q))
+    return jax.lax.platform_dependent(xq, q, code_sums, cpu=_u8s8, default=_s8s8)

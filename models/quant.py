@@ -360,11 +360,7 @@ def hold_code_sums(params: dict) -> dict:
             return dataclasses.replace(w, code_sums=_code_sums(w.q))
         return w
 
-    layers = params["layers"]
-    out = {k: held(w) for k, w in params.items() if k != "layers"}
-    out["layers"] = ([{k: held(w) for k, w in d.items()} for d in layers] if isinstance(layers, list)
-                     else {k: held(w) for k, w in layers.items()})
-    return out
+    return jax.tree.map(held, params, is_leaf=is_quantized)
 
 
 @jax.jit
