@@ -288,6 +288,7 @@ def forward_paged(
     return_hidden: bool = False,
     lora_method: str = "masked",
     lora_rank: int | None = None,
+    kv_layout: str = "token_major",
 ):
     """One step over a ragged batch; returns (kv_cache, logits [L, v] float32).
 
@@ -304,7 +305,8 @@ def forward_paged(
     width; the partial MoE output joins the same all-reduce over tp_axis as a dense MLP's.
 
     `kv_cache` is (k_cache, v_cache), each [num_layers, num_blocks, block_size, k, d]
-    (engine/step/kv_cache.py), or for a model mixing windows with sliding-window accounting the
+    (engine/step/kv_cache.py; `kv_layout` "head_major", the engine's on the xla path:
+    [num_layers, num_blocks, k, block_size, d], pallas_kernels/validation.KV_LAYOUTS), or for a model mixing windows with sliding-window accounting the
     two groups (k_global, v_global, k_sliding, v_sliding), the sliding layers' read through
     `batch.sliding_block_tables` and written at `batch.sliding_slot_mapping` (a model whose
     every layer slides has one group, read through the sliding tables by the runner's choice); in
@@ -337,7 +339,8 @@ def forward_paged(
     md = {w: prepare_attention_metadata(
         batch.seq_lens, tables[w], batch.query_start_loc, batch.num_seqs,
         num_tokens=num_tokens, num_q_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
-        block_size=kv_cache[0].shape[2], backend=attention_backend, sliding_window=w,
+        block_size=kv_cache[0].shape[3 if kv_layout == "head_major" else 2], backend=attention_backend,
+        sliding_window=w,
         head_dim=config.head_dim) for w in windows}
 
     # The dtype q, k, v are rounded to: the cache's, or the model's for a uint16 (bits) cache and
@@ -363,11 +366,11 @@ def forward_paged(
         index = rank_in_kind(config, index, kind) if two_groups else layer_index(index)
         q, k, v = rotate(q, k, v)
         k_cache, v_cache = write_kv(k_cache, v_cache, k, v, slots[window], layer=index,
-                                    backend=attention_backend, interpret=interpret)
+                                    backend=attention_backend, interpret=interpret, kv_layout=kv_layout)
         attn = ragged_paged_attention(
             q, k_cache, v_cache, md[window], layer=index, sm_scale=config.sm_scale,
             sliding_window=window, soft_cap=config.attn_logit_softcap, backend=attention_backend,
-            interpret=interpret)
+            interpret=interpret, kv_layout=kv_layout)
         return rotate(attn), (*cache[:group], k_cache, v_cache, *cache[group + 2:])
 
     if tp_axis is None:

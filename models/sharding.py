@@ -80,17 +80,23 @@ LLAMA_RULES: dict[str, P] = {
     "experts_down": SPEC_OF_SPLIT["experts_mlp_in"],
 }
 KV_CACHE_SPEC = P(None, None, None, MODEL_AXIS, None)  # [L, num_blocks, block_size, Hkv, D]
-KV_SCALES_SPEC = P(None, None, None, MODEL_AXIS)  # an 8-bit cache's scales [L, num_blocks, block_size, Hkv]
 KV_PAGE_SCALES_SPEC = P(None, None, MODEL_AXIS)  # the TPU's page layout [L, num_blocks, W]: a piece per shard
 
 
-def kv_cache_specs(kv_cache: tuple) -> tuple:
+def kv_cache_spec(kv_layout: str = "token_major") -> P:
+    """The cache's values split on KV heads: KV_CACHE_SPEC, or with head-major pages (the xla
+    path's, pallas_kernels/validation.KV_LAYOUTS) [L, num_blocks, Hkv, block_size, D] on axis 2."""
+    return P(None, None, MODEL_AXIS, None, None) if kv_layout == "head_major" else KV_CACHE_SPEC
+
+
+def kv_cache_specs(kv_cache: tuple, kv_layout: str = "token_major") -> tuple:
     """The specs of a (k_cache, v_cache) pair: split on KV heads, an 8-bit cache's values and
-    scales alike (pallas_kernels/kv_quant.py ScaledCache: the page layout's rows in one piece per
-    shard, each its heads' scales)."""
-    scales = {"token": KV_SCALES_SPEC, "page": KV_PAGE_SCALES_SPEC}
-    return tuple(dataclasses.replace(c, values=KV_CACHE_SPEC, scales=scales[c.layout])
-                 if isinstance(c, ScaledCache) else KV_CACHE_SPEC for c in kv_cache)
+    scales alike (pallas_kernels/kv_quant.py ScaledCache: per-token scales are the values' shape
+    without D; the page layout's rows in one piece per shard, each its heads' scales)."""
+    values = kv_cache_spec(kv_layout)
+    scales = {"token": P(*values[:4]), "page": KV_PAGE_SCALES_SPEC}
+    return tuple(dataclasses.replace(c, values=values, scales=scales[c.layout])
+                 if isinstance(c, ScaledCache) else values for c in kv_cache)
 
 
 def weight_spec(spec: P, w) -> P | QuantizedWeight:
@@ -365,18 +371,18 @@ def check_family_table(config: ModelConfig, params: dict) -> None:
 
 def forward_paged_sharded(params: dict, layout: TPLayout, kv_cache: tuple, batch, *, mesh,
                           attention_backend: str, interpret: bool = False, scan_layers: bool = False,
-                          lora_method: str = "masked"):
+                          lora_method: str = "masked", kv_layout: str = "token_major"):
     """models/llama.forward_paged under shard_map over "model": every device runs its own heads
     (attention, whichever backend, on its local heads and its local KV-cache shard) and its MLP
     slice; returns the sharded cache and the full logits [L, v padded], replicated."""
     from models.llama import forward_paged
 
-    cache_specs = kv_cache_specs(kv_cache)  # one (k, v) pair per cache group, 8-bit ones with their scales
+    cache_specs = kv_cache_specs(kv_cache, kv_layout)  # a (k, v) pair per cache group, 8-bit ones with scales
 
     def local(p, cache, b):
         return forward_paged(p, layout.local, cache, b, attention_backend=attention_backend,
                              interpret=interpret, tp_axis=MODEL_AXIS, scan_layers=scan_layers,
-                             lora_method=lora_method)
+                             lora_method=lora_method, kv_layout=kv_layout)
 
     mapped = jax.shard_map(local, mesh=mesh, in_specs=(param_specs(params, layout.local), cache_specs, P()),
                            out_specs=(cache_specs, P()), check_vma=False)

@@ -8,7 +8,9 @@
   write_kv(...)                    kv_write.py: one donated scatter per cache array
   resolve_backend(...)             backend.py: "auto" | "xla" | "pallas" -> a backend name
 
-The KV cache is one K and one V array for all layers, [L, num_blocks, block_size, Hkv, D];
+The KV cache is one K and one V array for all layers, [L, num_blocks, block_size, Hkv, D]
+(kv_layout "token_major"; the xla path also reads and writes "head_major" pages,
+[L, num_blocks, Hkv, block_size, D], the layout the engine gives it: `kv_layout_for`);
 write_kv and ragged_paged_attention take `layer` (a Python int, or a traced int32 scalar inside a
 lax.scan over layers) and read/write that layer's pages in place. A single-layer
 [num_blocks, block_size, Hkv, D] cache with layer=None also works (L = 1).
@@ -21,9 +23,12 @@ from pallas_kernels.attention import prepare_attention_metadata, ragged_paged_at
 from pallas_kernels.backend import resolve_backend
 from pallas_kernels.kv_write import write_kv
 from pallas_kernels.metadata import AttentionMetadata
+from pallas_kernels.validation import KV_LAYOUTS, kv_layout_for
 
 __all__ = [
+    "KV_LAYOUTS",
     "AttentionMetadata",
+    "kv_layout_for",
     "prepare_attention_metadata",
     "ragged_paged_attention",
     "resolve_backend",

@@ -116,22 +116,25 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     backend: str = "xla",
     interpret: bool = False,
+    kv_layout: str = "token_major",
 ):
     """One layer's attention, dispatched to backend "xla" | "pallas_gpu" | "pallas_tpu".
 
     q [T, Hq, D]; k_cache, v_cache [L, num_blocks, block_size, Hkv, D] with layer a Python int or
     a traced int32 scalar in [0, L) (read in place, never sliced out), or the single-layer
     [num_blocks, block_size, Hkv, D] with layer=None; an 8-bit cache is a kv_quant.ScaledCache
-    each (values of those shapes, scales without D), read by every backend. md comes from
+    each (values of those shapes, scales without D), read by every backend. kv_layout
+    "head_major" (xla only): pages [Hkv, block_size, D] instead (validation.KV_LAYOUTS). md comes from
     prepare_attention_metadata with the same backend. interpret=True runs a Pallas kernel in interpret mode (on the CPU);
     "xla" ignores it. Raises ValueError naming the argument and shapes when the inputs break the
     contract. Returns [T, Hq, D] in q.dtype.
     """
     validation.check_options(sm_scale, sliding_window, soft_cap, backend)
+    validation.check_kv_layout(kv_layout, backend)
     options = dict(layer=layer, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     args = (q, k_cache, v_cache, md)
     if backend == "xla":
-        return ragged_paged_attention_xla(*args, **options)
+        return ragged_paged_attention_xla(*args, **options, kv_layout=kv_layout)
     if backend == "pallas_gpu":
         return ragged_paged_attention_gpu(*args, **options, interpret=interpret)
     return ragged_paged_attention_tpu(*args, **options, interpret=interpret)

@@ -16,6 +16,11 @@ is the second line of defence. Call it inside a jit that donates the cache (or o
 carry) so XLA updates the buffers in place (tests/pallas_kernels/test_kv_write.py checks that no
 copy is made, for a static and for a traced layer).
 
+Head-major pages (kv_layout "head_major", the xla path's: [L, num_blocks, Hkv, block_size, D])
+are scattered per (token, kv head): the cache viewed as [L * num_blocks * Hkv * block_size, D],
+token t's head h at row ((layer * num_blocks + block) * Hkv + h) * block_size + offset; a dropped
+slot drops all its heads' rows.
+
 A 16-bit float cache (bfloat16, float16) is scattered as its bits (`as_bits`, uint16): XLA:CPU
 has no bfloat16 scatter and otherwise converts the whole stacked cache to float32 and back
 around it, in every layer (about a second per layer for the default model). A cache may also BE
@@ -52,25 +57,28 @@ def from_bits(x, dtype):
     return x if x.dtype == jnp.dtype(dtype) else jax.lax.bitcast_convert_type(x, dtype)
 
 
-def write_kv(k_cache, v_cache, k, v, slot_mapping, layer=None, *, backend="xla", interpret=False):
+def write_kv(k_cache, v_cache, k, v, slot_mapping, layer=None, *, backend="xla", interpret=False,
+             kv_layout="token_major"):
     """Returns (k_cache, v_cache) with k[t], v[t] at slot_mapping[t] of `layer` (out-of-range dropped).
 
     backend: the attention backend that reads the cache ("xla", "pallas_tpu", "pallas_gpu"); the
     write takes the form that keeps the cache in the layout that backend reads: "pallas_tpu"
     writes with a Mosaic kernel of DMAs (tpu_kv_write.py: with the scatter, XLA copies both whole
     caches before every layer's attention kernel), the others scatter. interpret: run the TPU
-    kernel in interpret mode (the CPU tests).
+    kernel in interpret mode (the CPU tests). kv_layout: the pages' layout (validation.KV_LAYOUTS;
+    "head_major" is the xla path's).
     """
     if backend not in _BACKENDS:
         raise ValueError(f"write_kv backend must be one of {sorted(_BACKENDS)}; got {backend!r}")
+    validation.check_kv_layout(kv_layout, backend)
     scaled = isinstance(k_cache, ScaledCache) or isinstance(v_cache, ScaledCache)
     if scaled:  # an 8-bit cache (kv_quant.py): values and scales, both scattered here
         check_scaled_pair(k_cache, v_cache, scale_layout(backend))
         k, v, slot_mapping = map(jnp.asarray, (k, v, slot_mapping))
-        cache = validation.check_cache(k_cache.values, v_cache.values, layer, eight_bit=True)
+        cache = validation.check_cache(k_cache.values, v_cache.values, layer, eight_bit=True, kv_layout=kv_layout)
     else:
         k_cache, v_cache, k, v, slot_mapping = map(jnp.asarray, (k_cache, v_cache, k, v, slot_mapping))
-        cache = validation.check_cache(k_cache, v_cache, layer)
+        cache = validation.check_cache(k_cache, v_cache, layer, kv_layout=kv_layout)
     num_tokens = slot_mapping.shape[0] if slot_mapping.ndim == 1 else -1
     expected = (num_tokens, cache.num_kv_heads, cache.head_dim)
     if slot_mapping.ndim != 1 or k.shape != expected or v.shape != expected:
@@ -109,6 +117,8 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping, layer=None, *, backend="xla",
         rows = jnp.concatenate([rows, jnp.full((1,), total_slots, jnp.int32)])
         k, v = (jnp.concatenate([x, jnp.zeros_like(x)]) for x in (k, v))
     flat_shape = (total_slots, cache.num_kv_heads, cache.head_dim)
+    if kv_layout == "head_major":  # a row per (slot, head): [T, Hkv] rows of the [.., D] view
+        rows, k, v, flat_shape = _head_rows(rows, k, v, cache, total_slots)
     if scaled:
         return tuple(_scatter_scaled(c, x, rows, flat_shape) for c, x in ((k_cache, k), (v_cache, v)))
 
@@ -118,6 +128,18 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping, layer=None, *, backend="xla",
         return from_bits(bits.reshape(c.shape), c.dtype)
 
     return scatter(k_cache, k), scatter(v_cache, v)
+
+
+def _head_rows(rows, k, v, cache: validation.CacheShapes, total_slots: int):
+    """Head-major pages: the token rows (a dropped one is total_slots) -> rows of the cache viewed
+    as [total_slots * Hkv, 1, D], one per (token, head), and k, v as [T * Hkv, 1, D] to match."""
+    bs, hkv = cache.block_size, cache.num_kv_heads
+    page, offset = rows // bs, rows % bs  # page counts layers' pages too: layer * num_blocks + block
+    heads = jnp.arange(hkv, dtype=jnp.int32)
+    head_rows = (page[:, None] * hkv + heads[None, :]) * bs + offset[:, None]  # [T, Hkv]
+    head_rows = jnp.where((rows < total_slots)[:, None], head_rows, total_slots * hkv).reshape(-1)
+    flat = lambda x: jnp.reshape(x, (-1, 1, x.shape[-1]))  # noqa: E731
+    return head_rows, flat(k), flat(v), (total_slots * hkv, 1, cache.head_dim)
 
 
 def _scatter_scaled(c: ScaledCache, x, rows, flat_shape) -> ScaledCache:

@@ -14,7 +14,9 @@ Shapes, split by when they are checked:
     k_cache/v_cache [num_layers, num_blocks, block_size, num_kv_heads, head_dim] (stacked, with
                     `layer` a Python int or a traced int32 scalar) or the single-layer
                     [num_blocks, block_size, num_kv_heads, head_dim] (with layer=None); same shape
-                    and dtype as each other.
+                    and dtype as each other. That is the "token_major" page; the xla path also
+                    takes "head_major" pages, [.., num_blocks, num_kv_heads, block_size, head_dim]
+                    (KV_LAYOUTS, `kv_layout_for`).
 
 Every failure is a ValueError naming the argument and the shapes it saw.
 """
@@ -25,6 +27,27 @@ import jax.numpy as jnp
 import numpy as np
 
 BACKENDS = ("xla", "pallas_gpu", "pallas_tpu")
+# How a page holds its tokens' K (or V): "token_major" [block_size, Hkv, D], every backend's;
+# "head_major" [Hkv, block_size, D], the xla path's only. The xla path gathers a head's page as
+# one contiguous row and multiplies it with no transpose (BUILD_NOTES.md "CPU attention forms",
+# head-major pages): the engine allocates that layout for it (`kv_layout_for`).
+KV_LAYOUTS = ("token_major", "head_major")
+
+
+def kv_layout_for(backend: str) -> str:
+    """The page layout the engine allocates for `backend`: "head_major" for xla, else "token_major"."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
+    return "head_major" if backend == "xla" else "token_major"
+
+
+def check_kv_layout(kv_layout, backend: str) -> None:
+    """kv_layout must be one of KV_LAYOUTS, and "head_major" is the xla path's."""
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}; got {kv_layout!r}")
+    if kv_layout == "head_major" and backend != "xla":
+        raise ValueError(f"kv_layout='head_major' is the xla path's page layout; {backend} reads "
+                         "token_major pages [num_blocks, block_size, Hkv, D]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,23 +70,26 @@ class BatchShapes:
 
 @dataclasses.dataclass(frozen=True)
 class CacheShapes:
-    """Static sizes of the KV cache as a stacked [L, num_blocks, block_size, Hkv, D] array."""
+    """Static sizes of the KV cache as a stacked [L, num_blocks, block_size, Hkv, D] array
+    (token_major; head_major: [L, num_blocks, Hkv, block_size, D])."""
 
     num_layers: int  # 1 for a single-layer 4-D cache
     num_blocks: int  # pages per layer, block 0 included
     block_size: int
     num_kv_heads: int
     head_dim: int
+    kv_layout: str = "token_major"
+
+    @property
+    def page_shape(self) -> tuple[int, ...]:
+        """One page's [block_size, Hkv, D], or [Hkv, block_size, D] head-major."""
+        if self.kv_layout == "head_major":
+            return (self.num_kv_heads, self.block_size, self.head_dim)
+        return (self.block_size, self.num_kv_heads, self.head_dim)
 
     @property
     def stacked_shape(self) -> tuple[int, ...]:
-        return (
-            self.num_layers,
-            self.num_blocks,
-            self.block_size,
-            self.num_kv_heads,
-            self.head_dim,
-        )
+        return (self.num_layers, self.num_blocks, *self.page_shape)
 
 
 def _shape_str(**arrays) -> str:
@@ -144,10 +170,11 @@ def check_batch_inputs(
 
 
 def check_cache(k_cache, v_cache, layer, *, k_name="k_cache", v_name="v_cache",
-                eight_bit: bool = False) -> CacheShapes:
+                eight_bit: bool = False, kv_layout: str = "token_major") -> CacheShapes:
     """Validates a stacked (5-D, with `layer`) or single-layer (4-D, layer=None) K/V cache pair.
     eight_bit: these are the values of an 8-bit cache (int8, or uint8 holding e4m3 bits), whose
-    scales kv_quant.check_scaled_pair checks.
+    scales kv_quant.check_scaled_pair checks. kv_layout: how the shape's last three axes read
+    (KV_LAYOUTS; the caller has checked the name).
 
     A Python int layer must lie in [0, num_layers); a traced layer must be an integer scalar (its
     range is the caller's promise: the kernels do not bounds-check it).
@@ -176,7 +203,7 @@ def check_cache(k_cache, v_cache, layer, *, k_name="k_cache", v_name="v_cache",
                 f"a single-layer {k_name} [num_blocks, block_size, num_kv_heads, head_dim] takes "
                 f"layer=None; got layer={layer!r} ({shapes})"
             )
-        return CacheShapes(1, *np.shape(k_cache))
+        return _sizes(1, *np.shape(k_cache), kv_layout=kv_layout)
     if ndim != 5:
         raise ValueError(
             f"{k_name} must be [num_layers, num_blocks, block_size, num_kv_heads, head_dim] "
@@ -196,7 +223,12 @@ def check_cache(k_cache, v_cache, layer, *, k_name="k_cache", v_name="v_cache",
         raise ValueError(
             f"layer must be a Python int or an integer scalar array; got {layer!r} ({shapes})"
         )
-    return CacheShapes(*np.shape(k_cache))
+    return _sizes(*np.shape(k_cache), kv_layout=kv_layout)
+
+
+def _sizes(num_layers, num_blocks, a, b, head_dim, *, kv_layout) -> CacheShapes:
+    block_size, heads = (b, a) if kv_layout == "head_major" else (a, b)
+    return CacheShapes(num_layers, num_blocks, block_size, heads, head_dim, kv_layout)
 
 
 def check_bits_values(x, name: str, cache_name: str = "k_cache") -> None:
@@ -211,7 +243,8 @@ def check_bits_values(x, name: str, cache_name: str = "k_cache") -> None:
 
 
 def stacked_view(cache, cache_shapes: CacheShapes):
-    """The cache as [L, num_blocks, block_size, Hkv, D]: a free reshape (bitcast) of a 4-D cache."""
+    """The cache as [L, num_blocks, block_size, Hkv, D] (head_major: [L, num_blocks, Hkv,
+    block_size, D]): a free reshape (bitcast) of a 4-D cache."""
     return jnp.reshape(cache, cache_shapes.stacked_shape)
 
 
@@ -224,12 +257,14 @@ def layer_index(layer):
     return jnp.asarray(layer).astype(jnp.int32)
 
 
-def check_layer_inputs(q, k_cache, v_cache, md, layer, backend, *, eight_bit: bool = False) -> CacheShapes:
+def check_layer_inputs(q, k_cache, v_cache, md, layer, backend, *, eight_bit: bool = False,
+                       kv_layout: str = "token_major") -> CacheShapes:
     """Per-layer checks: q and the cache against the metadata; returns the cache's sizes.
     eight_bit: k_cache, v_cache are an 8-bit cache's values (check_cache)."""
     if md.backend != backend:
         raise ValueError(f"md was prepared for backend {md.backend!r}; got backend={backend!r}")
-    cache = check_cache(k_cache, v_cache, layer, eight_bit=eight_bit)
+    check_kv_layout(kv_layout, backend)
+    cache = check_cache(k_cache, v_cache, layer, eight_bit=eight_bit, kv_layout=kv_layout)
     shapes = _shape_str(q=q, k_cache=k_cache, v_cache=v_cache)
     if jnp.result_type(k_cache) == jnp.uint16 and backend != "xla":
         raise ValueError(f"a uint16 (bits) cache is the xla path's; {backend} takes the float cache ({shapes})")

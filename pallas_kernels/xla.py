@@ -2,8 +2,9 @@
 xla form runs (xla_forms.py picks the form per compiled bucket; xla_split.py is the split form).
 
 Layout: q [T, Hq, D]; k_cache, v_cache [L, num_blocks, block_size, Hkv, D] (all layers stacked;
-a single-layer [num_blocks, block_size, Hkv, D] cache is the L = 1 case); the query heads of kv
-head h are h * G .. h * G + G - 1 with G = Hq // Hkv (GQA).
+a single-layer [num_blocks, block_size, Hkv, D] cache is the L = 1 case), or with head-major
+pages (kv_layout "head_major", the engine's on this path) [L, num_blocks, Hkv, block_size, D]; the
+query heads of kv head h are h * G .. h * G + G - 1 with G = Hq // Hkv (GQA).
 
 Once per step, `prepare_loop` (through prepare_attention_metadata) cuts the token axis into query
 blocks of `block_q` rows, each inside one sequence (metadata.py), gives each block its page range,
@@ -18,11 +19,17 @@ Walkthrough of one layer's call:
      sequence, [NB, pages_per_step * block_size, Hkv, D], straight from the stacked cache viewed
      as [L * num_blocks, block_size, Hkv, D] (a bitcast) at rows layer * num_blocks + page id:
      no per-layer slice or copy of the cache, and the whole context is never materialized.
+     Head-major pages are gathered per (page, kv head), each a contiguous [block_size, D] row of
+     the cache viewed as [L * num_blocks * Hkv, block_size * D], straight into [NB, Hkv,
+     pages_per_step * block_size, D]: the products' operand order, with no transpose (the
+     token-major page's K and V are transposed for the products, the step's largest attention
+     ops on the CPU: BUILD_NOTES.md "CPU attention forms", head-major pages).
      A 16-bit cache is gathered as its bits (kv_write.as_bits; XLA:CPU would otherwise convert
      the whole cache to float32 to gather from it) and converted after the gather; a uint16
      cache (the bits of a 16-bit cache, kv_write.py) is read as q's dtype.
   3. Online softmax in float32 (running max m, sum denom, accumulator acc), masked causally by
-     position, by the sliding window, and to the block's real rows. For one-token rows (block_q
+     position, by the sliding window, and to the block's real rows. Head-major pages compute in
+     [NB, Hkv, bq, G, ..] order, P . V a product. Token-major pages: for one-token rows (block_q
      1: the decode rows) P . V is a multiply and a sum over the kv positions, not a product:
      XLA:CPU computes the product as V^T . P^T (the [D, kv] side has more rows than G) and writes
      every gathered V page transposed first, the step's largest attention op; the sum reads V as
@@ -83,40 +90,53 @@ def prepare_loop(
 
 class PagedKV:
     """One layer's K/V pages as rows of the whole stacked cache (free views, never a copy).
-    An 8-bit cache (kv_quant.ScaledCache) brings its scale pages [L * num_blocks, bs, Hkv]."""
+    An 8-bit cache (kv_quant.ScaledCache) brings its scale pages [L * num_blocks, bs, Hkv]
+    ([L * num_blocks, Hkv, bs] head-major)."""
 
-    def __init__(self, k_pages, v_pages, page_base, dtype, block_size, scales=None, kv_cache_dtype="auto"):
-        self.k_pages, self.v_pages = k_pages, v_pages  # [L * num_blocks, bs, Hkv, D] (bits)
+    def __init__(self, k_pages, v_pages, page_base, dtype, block_size, scales=None, kv_cache_dtype="auto",
+                 kv_layout="token_major"):
+        self.k_pages, self.v_pages = k_pages, v_pages  # [L * num_blocks, *page_shape] (bits)
         self.page_base = page_base  # int (static) or int32[]: layer * num_blocks
         self.dtype = dtype  # the dtype the pages hold (the float type for a uint16 cache)
         self.block_size = block_size
         self.scales = scales  # None, or (k, v) scale pages (bfloat16 bits) of an 8-bit cache
         self.kv_cache_dtype = kv_cache_dtype
+        self.head_major = kv_layout == "head_major"
+        self.num_kv_heads = k_pages.shape[1 if self.head_major else 2]
 
     @classmethod
     def of(cls, k_cache, v_cache, cache: validation.CacheShapes, layer, q_dtype, block_size):
-        page_shape = (cache.num_layers * cache.num_blocks, block_size, cache.num_kv_heads,
-                      cache.head_dim)
+        page_shape = (cache.num_layers * cache.num_blocks, *cache.page_shape)
+        layout = dict(kv_layout=cache.kv_layout)
         if isinstance(k_cache, ScaledCache):
             pages = lambda c: (jnp.reshape(c.values, page_shape), jnp.reshape(c.scales, page_shape[:-1]))  # noqa: E731
             (k_pages, k_scales), (v_pages, v_scales) = pages(k_cache), pages(v_cache)
             return cls(k_pages, v_pages, validation.layer_index(layer) * cache.num_blocks, k_pages.dtype,
-                       block_size, (k_scales, v_scales), k_cache.kv_cache_dtype)
+                       block_size, (k_scales, v_scales), k_cache.kv_cache_dtype, **layout)
         dtype = jnp.asarray(k_cache).dtype
         if dtype == jnp.uint16:
             dtype = q_dtype
         return cls(jnp.reshape(as_bits(k_cache), page_shape), jnp.reshape(as_bits(v_cache), page_shape),
-                   validation.layer_index(layer) * cache.num_blocks, dtype, block_size)
+                   validation.layer_index(layer) * cache.num_blocks, dtype, block_size, **layout)
 
     def gather(self, ids):
-        """ids int32[..., P] page ids within the layer -> K, V float32 [..., P * bs, Hkv, D]."""
+        """ids int32[..., P] page ids within the layer -> K, V float32 [..., P * bs, Hkv, D]
+        (head-major pages: [..., Hkv, P * bs, D])."""
         ids = ids + self.page_base
+        if self.head_major:  # row (page, head) of the [pages * Hkv, bs * D] view, heads before pages
+            heads = jnp.arange(self.num_kv_heads, dtype=jnp.int32)[:, None]
+            ids = ids[..., None, :] * self.num_kv_heads + heads  # [..., Hkv, P]
 
         def read(pages, scales):
+            if self.head_major:
+                pages = jnp.reshape(pages, (-1, *pages.shape[2:]))  # [pages * Hkv, bs(, D)]
+                scales = None if scales is None else jnp.reshape(scales, (-1, scales.shape[-1]))
             if scales is None:
                 x = from_bits(take_pages(pages, ids), self.dtype).astype(jnp.float32)
             else:  # dequantized after the gather: only the pages read are converted
                 x = dequantize_kv(take_pages(pages, ids), take_pages(scales, ids), self.kv_cache_dtype)
+            if self.head_major:  # [..., Hkv, P, bs, D]
+                return x.reshape(*ids.shape[:-1], ids.shape[-1] * self.block_size, x.shape[-1])
             return x.reshape(*ids.shape[:-1], ids.shape[-1] * self.block_size, *x.shape[-2:])
 
         k_scales, v_scales = self.scales or (None, None)
@@ -143,38 +163,40 @@ def page_loop(qb, tables, first_step, last_step, row_pos, row_ok, kv: PagedKV, *
     """
     nb, bq, hkv, g, d = qb.shape
     kv_step = pages_per_step * kv.block_size
+    head = kv.head_major  # head-major pages: [NB, Hkv, bq, G, ..] order, both products plain
+    qx = jnp.swapaxes(qb, 1, 2) if head else qb
 
     def body(step, carry):
         m, denom, acc = carry
         ids = jax.lax.dynamic_slice_in_dim(tables, step * pages_per_step, pages_per_step, axis=1)
-        k, v = kv.gather(ids)  # [NB, kv_step, Hkv, D]
-        s = jnp.einsum("nqhgd,nkhd->nqhgk", qb, k)  # [NB, bq, Hkv, G, kv_step]
+        k, v = kv.gather(ids)  # [NB, kv_step, Hkv, D] (head-major: [NB, Hkv, kv_step, D])
+        s = jnp.einsum("nhqgd,nhkd->nhqgk" if head else "nqhgd,nkhd->nqhgk", qx, k)
         if soft_cap is not None:
             s = jnp.float32(soft_cap) * jnp.tanh(s / jnp.float32(soft_cap))
         kv_pos = step * kv_step + jnp.arange(kv_step, dtype=jnp.int32)
         ok = (kv_pos[None, None, :] <= row_pos[:, :, None]) & row_ok[:, :, None]
         if sliding_window is not None:
             ok &= kv_pos[None, None, :] > row_pos[:, :, None] - sliding_window
-        s = jnp.where(ok[:, :, None, None, :], s, -jnp.inf)
+        s = jnp.where(ok[:, None, :, None, :] if head else ok[:, :, None, None, :], s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
         p = jnp.exp(s - m_safe[..., None])
         alpha = jnp.exp(m - m_safe)
         denom = alpha * denom + jnp.sum(p, axis=-1)
-        if bq == 1:  # one-token rows: P . V as a multiply and a sum over the kv positions
+        if head:
+            pv = jnp.einsum("nhqgk,nhkd->nhqgd", p, v)
+        elif bq == 1:  # one-token rows: P . V as a multiply and a sum over the kv positions
             pv = jnp.sum(p[..., None] * jnp.swapaxes(v, 1, 2)[:, None, :, None, :, :], axis=-2)
         else:
             pv = jnp.einsum("nqhgk,nkhd->nqhgd", p, v)
         acc = alpha[..., None] * acc + pv
         return m_new, denom, acc
 
-    init = (
-        jnp.full((nb, bq, hkv, g), -jnp.inf, jnp.float32),
-        jnp.zeros((nb, bq, hkv, g), jnp.float32),
-        jnp.zeros((nb, bq, hkv, g, d), jnp.float32),
-    )
+    lead = qx.shape[:4]  # (NB, bq, Hkv, G), or (NB, Hkv, bq, G) head-major
+    init = (jnp.full(lead, -jnp.inf, jnp.float32), jnp.zeros(lead, jnp.float32), jnp.zeros((*lead, d), jnp.float32))
     _, denom, acc = jax.lax.fori_loop(first_step, last_step, body, init)
-    return acc / jnp.where(denom == 0.0, 1.0, denom)[..., None]
+    out = acc / jnp.where(denom == 0.0, 1.0, denom)[..., None]
+    return jnp.swapaxes(out, 1, 2) if head else out
 
 
 def _row_groups(qb, md: metadata.AttentionMetadata, row_pos, row_ok, kv: PagedKV, *, pages_per_step,

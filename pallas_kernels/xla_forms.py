@@ -95,19 +95,23 @@ def ragged_paged_attention_xla(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    kv_layout: str = "token_major",
 ):
     """One layer of the jnp path in md.form: validates shapes (ValueError) and returns
     [T, Hq, D] in q.dtype.
 
     k_cache, v_cache: [L, num_blocks, block_size, Hkv, D] with layer a Python int or a traced
-    int32 scalar in [0, L), or [num_blocks, block_size, Hkv, D] with layer=None.
+    int32 scalar in [0, L), or [num_blocks, block_size, Hkv, D] with layer=None; kv_layout
+    "head_major": [.., num_blocks, Hkv, block_size, D] (xla.py).
     """
     scaled = isinstance(k_cache, ScaledCache) or isinstance(v_cache, ScaledCache)
+    layout = dict(kv_layout=kv_layout)
     if scaled:  # an 8-bit cache: values and scales (kv_quant.py), dequantized after each gather
         check_scaled_pair(k_cache, v_cache, "token")
-        cache = validation.check_layer_inputs(q, k_cache.values, v_cache.values, md, layer, "xla", eight_bit=True)
+        cache = validation.check_layer_inputs(q, k_cache.values, v_cache.values, md, layer, "xla", eight_bit=True,
+                                              **layout)
     else:
-        cache = validation.check_layer_inputs(q, k_cache, v_cache, md, layer, "xla")
+        cache = validation.check_layer_inputs(q, k_cache, v_cache, md, layer, "xla", **layout)
     validation.check_options(sm_scale, sliding_window, soft_cap, "xla")
     validation.check_window_fits(md, sliding_window)
     q = jnp.asarray(q)

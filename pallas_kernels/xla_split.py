@@ -181,7 +181,7 @@ def _tier_attention(q, kv: PagedKV, ch: ChunkMetadata, out, *, sm_scale, sliding
     """Each real chunk of one tier in turn (a fori_loop over ch.num_chunks), written into out
     ([T + at least block_q, Hq, D]: a chunk's rows may run past T)."""
     T, Hq, D = q.shape
-    Hkv = kv.k_pages.shape[-2]
+    Hkv = kv.num_kv_heads
     G, bq = Hq // Hkv, ch.block_q
     q_pad = jnp.pad(q, ((0, bq), (0, 0), (0, 0)))  # a chunk's rows may run past T
     rows = jnp.arange(bq, dtype=jnp.int32)

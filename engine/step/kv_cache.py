@@ -2,7 +2,9 @@
 
 Layout (the one place it is defined; the kernels' docstrings repeat it): one (k_cache, v_cache)
 pair for all layers, each [num_layers, num_blocks, block_size, num_kv_heads, head_dim] in the
-model dtype; a layer's kernels index their layer in place (a Python int in the unrolled layer
+model dtype, or on the xla attention path [num_layers, num_blocks, num_kv_heads, block_size,
+head_dim]: head-major pages (`kv_layout`, pallas_kernels/validation.py kv_layout_for; a head's
+page is one contiguous row the xla path gathers and multiplies without a transpose). A layer's kernels index their layer in place (a Python int in the unrolled layer
 loop, a traced index inside `lax.scan`), so no layer's cache is ever copied. Block 0 is the null
 block: the scheduler never hands it out, and padding tokens' slots and padded block-table entries
 point into it.
@@ -38,6 +40,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from models import kv_bytes
 from models.config import ModelConfig
+from pallas_kernels import KV_LAYOUTS
 from pallas_kernels.kv_quant import ScaledCache, allocate_scaled
 from scheduler.sliding_window import num_blocks_needed
 
@@ -172,32 +175,35 @@ def split_budget(config: ModelConfig, budget: int, *, block_size: int, dtype: st
 
 def scaled_sharding(sharding, kv_cache_dtype: str, layout: str = "token") -> ScaledCache:
     """The sharding of one ScaledCache whose values have `sharding` (a NamedSharding of the
-    [L, blocks, block_size, Hkv, D] values): the scales split alike, [L, blocks, block_size, Hkv]
-    on the heads, or (the page layout) [L, blocks, W] on the row, one piece per shard."""
+    [L, blocks, block_size, Hkv, D] values, or head-major [L, blocks, Hkv, block_size, D]): the
+    scales split alike, the values' shape without D, on the heads, or (the page layout, token-major
+    only) [L, blocks, W] on the row, one piece per shard."""
     spec = _values_spec(sharding)
     scale_spec = spec[:4] if layout == "token" else (*spec[:2], spec[3])
     return ScaledCache(sharding, NamedSharding(sharding.mesh, PartitionSpec(*scale_spec)), kv_cache_dtype, layout)
 
 
 def kv_shards(sharding) -> int:
-    """How many devices split the kv heads under `sharding` (the values' NamedSharding; 1 for none)."""
+    """How many devices split the kv heads under `sharding` (the values' NamedSharding, split on
+    the heads alone; 1 for none)."""
     if sharding is None:
         return 1
-    heads = _values_spec(sharding)[3]
-    axes = heads if isinstance(heads, tuple) else (heads,)
+    axes = [a for entry in _values_spec(sharding) for a in (entry if isinstance(entry, tuple) else (entry,))]
     return int(math.prod(sharding.mesh.shape[a] for a in axes if a is not None))
 
 
 def _values_spec(sharding) -> tuple:
-    """The values' [L, blocks, block_size, Hkv, D] PartitionSpec as 5 entries (trailing None filled)."""
+    """The values' 5-D PartitionSpec as 5 entries (trailing None filled)."""
     spec = tuple(sharding.spec)
     return spec + (None,) * (5 - len(spec))
 
 
 def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: str, *,
                       bits: bool = False, sharding=None, kv_cache_dtype: str = "auto",
-                      num_sliding_blocks: int = 0, scale_layout: str = "token") -> tuple:
-    """Zeroed (k_cache, v_cache); bits=True stores a 16-bit dtype as uint16 (same bytes).
+                      num_sliding_blocks: int = 0, scale_layout: str = "token",
+                      kv_layout: str = "token_major") -> tuple:
+    """Zeroed (k_cache, v_cache); bits=True stores a 16-bit dtype as uint16 (same bytes);
+    kv_layout "head_major" (the xla path's, `kv_layout_for`): pages [Hkv, block_size, D].
     `sharding` (a NamedSharding splitting the KV-head axis, models/sharding.py): each device
     allocates only its own shard. kv_cache_dtype "int8" / "fp8_e4m3": each of K and V is a
     ScaledCache (values and scales in `scale_layout`, the attention backend's:
@@ -210,16 +216,24 @@ def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dty
             raise ValueError(f"allocate_kv_cache: num_sliding_blocks={num_sliding_blocks} needs a model that "
                              f"mixes sliding-window and global layers; {config.name!r} does not")
         return sum((_allocate(config, config.num_layers_of_kind(kind), n, block_size, dtype, bits,
-                              sharding, kv_cache_dtype, scale_layout)
+                              sharding, kv_cache_dtype, scale_layout, kv_layout)
                     for kind, n in (("full_attention", num_blocks), ("sliding_attention", num_sliding_blocks))),
                    ())
     return _allocate(config, config.num_layers, num_blocks, block_size, dtype, bits, sharding, kv_cache_dtype,
-                     scale_layout)
+                     scale_layout, kv_layout)
+
+
+def kv_shape(config: ModelConfig, num_layers: int, num_blocks: int, block_size: int, kv_layout: str) -> tuple:
+    """One cache array's shape: [L, blocks, block_size, Hkv, D], or head-major [L, blocks, Hkv, block_size, D]."""
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}; got {kv_layout!r}")
+    page = ((config.num_kv_heads, block_size) if kv_layout == "head_major" else (block_size, config.num_kv_heads))
+    return (num_layers, num_blocks, *page, config.head_dim)
 
 
 def _allocate(config: ModelConfig, num_layers: int, num_blocks: int, block_size: int, dtype: str, bits: bool,
-              sharding, kv_cache_dtype: str, scale_layout: str) -> tuple:
-    shape = (num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+              sharding, kv_cache_dtype: str, scale_layout: str, kv_layout: str) -> tuple:
+    shape = kv_shape(config, num_layers, num_blocks, block_size, kv_layout)
     if kv_cache_dtype != "auto":
         scaled = lambda: allocate_scaled(shape, kv_cache_dtype, scale_layout, kv_shards(sharding))  # noqa: E731
         if sharding is None:

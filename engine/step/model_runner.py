@@ -46,6 +46,7 @@ from engine.step.step_inputs import BatchBuilder, StepLayout
 from engine.step.step_result import hidden_rows, read_result
 from models.config import ModelConfig
 from models.quant import QuantizedWeight
+from pallas_kernels import kv_layout_for
 from pallas_kernels.kv_quant import scale_layout
 from scheduler import SchedulerOutput, StepResult
 
@@ -84,6 +85,8 @@ class ModelRunner:
         self.placement = placement
         bits = attention_backend == "xla"
         layout = scale_layout(attention_backend)  # an 8-bit cache's scales as the backend reads them
+        # The pages' layout (head-major on the xla path: pallas_kernels/validation.kv_layout_for).
+        self.kv_layout = kv_layout_for(attention_backend)
         # The cache groups (engine/step/kv_cache.py): one, or two with a sliding group.
         cache_blocks, sliding_blocks, tables = cache_groups(model_config, shapes.num_blocks, shapes.num_sliding_blocks)
         if placement is None:
@@ -96,7 +99,8 @@ class ModelRunner:
                                        activation_rows)
             self.kv_cache = allocate_kv_cache(model_config, cache_blocks, shapes.block_size, dtype,
                                               bits=bits, kv_cache_dtype=kv_cache_dtype,
-                                              num_sliding_blocks=sliding_blocks, scale_layout=layout)
+                                              num_sliding_blocks=sliding_blocks, scale_layout=layout,
+                                              kv_layout=self.kv_layout)
         else:
             if keep_hidden:
                 raise ValueError("ModelRunner(keep_hidden=True) runs on one device (no placement)")
@@ -110,9 +114,9 @@ class ModelRunner:
             # split on KV heads, an 8-bit one's scales too; inputs and the table replicated.
             self.params = params
             self.kv_cache = allocate_kv_cache(placement.layout.padded, cache_blocks, shapes.block_size,
-                                              dtype, bits=bits, sharding=placement.kv_sharding,
+                                              dtype, bits=bits, sharding=placement.kv_sharding(self.kv_layout),
                                               kv_cache_dtype=kv_cache_dtype, num_sliding_blocks=sliding_blocks,
-                                              scale_layout=layout)
+                                              scale_layout=layout, kv_layout=self.kv_layout)
         self.lora = lora
         if lora is not None:
             self.params = {**self.params, "lora": lora.buffers}

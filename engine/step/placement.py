@@ -24,15 +24,16 @@ from models.config import ModelConfig
 from models.llama import forward_paged
 from models.sharded_quant import quantize_sharded
 from models.sharding import (
-    KV_CACHE_SPEC,
     MODEL_AXIS,
     TPLayout,
     bytes_per_device,
     forward_paged_sharded,
+    kv_cache_spec,
     place_params,
     shard_params_host,
     tp_layout,
 )
+from pallas_kernels import kv_layout_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,9 +57,9 @@ class Placement:
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, PartitionSpec())
 
-    @property
-    def kv_sharding(self) -> NamedSharding:
-        return NamedSharding(self.mesh, KV_CACHE_SPEC)
+    def kv_sharding(self, kv_layout: str) -> NamedSharding:
+        """The cache's sharding: split on KV heads, wherever `kv_layout` puts them."""
+        return NamedSharding(self.mesh, kv_cache_spec(kv_layout))
 
     def place(self, params: dict, config: ModelConfig, *, dtype: str, layer_loop: str,
               quantization: str | None = None, activation_rows: int | None = None) -> dict:
@@ -78,7 +79,8 @@ class Placement:
     def forward(self, *, attention_backend: str, interpret: bool, layer_loop: str, lora_method: str = "masked"):
         """(params, kv_cache, inputs) -> (kv_cache, logits [L, v]) for the compiled step."""
         kwargs = dict(attention_backend=attention_backend, interpret=interpret,
-                      scan_layers=layer_loop != "unrolled", lora_method=lora_method)
+                      scan_layers=layer_loop != "unrolled", lora_method=lora_method,
+                      kv_layout=kv_layout_for(attention_backend))
         if self.tp == 1:
             return functools.partial(_forward_single, config=self.layout.local, **kwargs)
         return functools.partial(_forward_tp, layout=self.layout, mesh=self.mesh, **kwargs)

@@ -39,6 +39,7 @@ from models.random_weights import random_params
 from models.served_layout import fuse_projections, pack_layer_bits, stack_layers
 from models.sharded_quant import abstract_quantized_params
 from models.sharding import abstract_sharded_params
+from pallas_kernels import kv_layout_for
 
 
 def serve_layout(params: dict, layer_loop: str, quantization: str | None = None,
@@ -87,7 +88,8 @@ def make_step(config: ModelConfig, shapes: RunnerShapes, *, attention_backend: s
     if placement is None:
         forward = functools.partial(_forward_plain, config=config, attention_backend=attention_backend,
                                     interpret=interpret, scan_layers=layer_loop != "unrolled",
-                                    return_hidden=keep_hidden, lora_method=lora_method)
+                                    return_hidden=keep_hidden, lora_method=lora_method,
+                                    kv_layout=kv_layout_for(attention_backend))
     else:
         if keep_hidden:
             raise ValueError("ModelRunner(keep_hidden=True) runs on one device (no placement)")

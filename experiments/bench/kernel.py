@@ -22,7 +22,8 @@ form with 128 kv positions a step, the path before the forms). Times are medians
 interleaved runs (every form and dense in turn, a new shuffled order each round) after a warm-up; the ratio form / dense is the
 number to watch. A quick run: --repeats=5. --bucket_tokens / --bucket_seqs pad the paged batch as
 the engine pads a step to its compiled bucket (T and S columns then show the bucket's; dense
-attention stays the real sequences' alone).
+attention stays the real sequences' alone). --kv_layouts: the pages' layout, "head_major" (the
+engine's on the xla path, the default), "token_major" or both (a column per form and layout).
 """
 
 import functools
@@ -33,7 +34,12 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from pallas_kernels import prepare_attention_metadata, ragged_paged_attention
+from pallas_kernels import (
+    KV_LAYOUTS,
+    kv_layout_for,
+    prepare_attention_metadata,
+    ragged_paged_attention,
+)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("shapes", ["decode", "mixed"], "Which batches to time: decode, mixed.")
@@ -41,6 +47,7 @@ flags.DEFINE_list("contexts", ["1024"], "Longest kv contexts; contexts are unifo
 flags.DEFINE_integer("max_model_len", 0, "Block-table width in tokens (0: the longest context).")
 flags.DEFINE_list("forms", ["auto", "loop", "split"],
                   "xla forms to time: auto, loop, split, loop128, split8 ... split128 (one chunk tier).")
+flags.DEFINE_list("kv_layouts", [kv_layout_for("xla")], f"Page layouts to time ({', '.join(KV_LAYOUTS)}).")
 flags.DEFINE_integer("decode_seqs", 32, "Decoding sequences (one query token each).")
 flags.DEFINE_integer("prefill_seqs", 2, "Prefill chunks in the mixed batch.")
 flags.DEFINE_integer("prefill_chunk", 128, "Tokens per prefill chunk in the mixed batch.")
@@ -180,6 +187,11 @@ def main(argv):
     for form in FLAGS.forms:
         if form not in FORM_OPTIONS:
             raise ValueError(f"--forms takes {sorted(FORM_OPTIONS)}; got {form!r}")
+    for kv_layout in FLAGS.kv_layouts:
+        if kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"--kv_layouts takes {', '.join(KV_LAYOUTS)}; got {kv_layout!r}")
+    columns = [(f, lay) for lay in FLAGS.kv_layouts for f in FLAGS.forms]
+    label = {c: c[0] if len(FLAGS.kv_layouts) == 1 else f"{c[0]}/{c[1][0]}" for c in columns}
 
     def prepare(b, form):
         T, hq, d = b["q"].shape
@@ -193,20 +205,21 @@ def main(argv):
             b["num_seqs"],
             num_tokens=T,
             num_q_heads=hq,
-            num_kv_heads=b["k_cache"].shape[-2],
-            block_size=b["k_cache"].shape[-3],
+            num_kv_heads=FLAGS.num_kv_heads,
+            block_size=FLAGS.block_size,
             backend="xla",
             head_dim=d,
             **options,
         )
 
-    def layer(b, md):
-        return ragged_paged_attention(
-            b["q"], b["k_cache"], b["v_cache"], md, sm_scale=sm_scale, backend="xla"
-        )
+    def layer(b, md, kv_layout):
+        k, v = b["k_cache"], b["v_cache"]
+        if kv_layout == "head_major":  # [num_blocks, Hkv, block_size, D] (made outside the timing)
+            k, v = b["k_heads"], b["v_heads"]
+        return ragged_paged_attention(b["q"], k, v, md, sm_scale=sm_scale, backend="xla", kv_layout=kv_layout)
 
     prepare_fns = {f: jax.jit(functools.partial(prepare, form=f)) for f in FLAGS.forms}
-    layer_fn = jax.jit(layer)  # one layer, metadata prepared outside (the form is in md)
+    layer_fn = jax.jit(layer, static_argnums=2)  # one layer, metadata prepared outside (the form is in md)
     dense_fn = jax.jit(
         lambda groups: [
             dense_attention(g["q"], g["k"], g["v"], g["seq_lens"], sm_scale=sm_scale)
@@ -220,7 +233,7 @@ def main(argv):
     )
     print("per-layer ms (metadata prepared outside); ratio = form / dense")
     print(f"{'shape':8} {'T':>5} {'S':>4} {'max_kv':>7} {'dense':>8} "
-          + " ".join(f"{f:>8} {'ratio':>6}" for f in FLAGS.forms))
+          + " ".join(f"{label[c]:>8} {'ratio':>6}" for c in columns))
     for context in (int(c) for c in FLAGS.contexts):
         for name, (q_lens, kv_lens) in batch_shapes(context, rng).items():
             if name not in FLAGS.shapes:
@@ -232,18 +245,19 @@ def main(argv):
             )
             real_tokens = len(paged["q"])
             paged = pad_to_bucket(paged, FLAGS.bucket_tokens, FLAGS.bucket_seqs)
+            paged.update(k_heads=jnp.swapaxes(paged["k_cache"], 1, 2), v_heads=jnp.swapaxes(paged["v_cache"], 1, 2))
             mds = {f: prepare_fns[f](paged) for f in FLAGS.forms}
             out_dense = jnp.concatenate([o.reshape(-1, *o.shape[2:]) for o in dense_fn(groups)], axis=0)
-            for f, md in mds.items():  # same answer (dense groups are decodes first, as the batch)
+            for f, lay in columns:  # same answer (dense groups are decodes first, as the batch)
                 np.testing.assert_allclose(
-                    np.asarray(layer_fn(paged, md), np.float32)[:real_tokens],
+                    np.asarray(layer_fn(paged, mds[f], lay), np.float32)[:real_tokens],
                     np.asarray(out_dense, np.float32),
                     atol=2e-2 if FLAGS.dtype == "bfloat16" else 1e-4,
-                    err_msg=f"form {f}",
+                    err_msg=f"form {f}, {lay} pages",
                 )
             times = time_interleaved(
                 [functools.partial(dense_fn, groups)]
-                + [functools.partial(layer_fn, paged, md) for md in mds.values()],
+                + [functools.partial(layer_fn, paged, mds[f], lay) for f, lay in columns],
                 FLAGS.repeats,
             )
             dense_s = times[0]

@@ -36,6 +36,7 @@ from engine.step.executables import manifest, save_executables
 from engine.step.kv_cache import (
     bytes_per_block,
     cache_groups,
+    kv_shape,
     kv_shards,
     pool_sizes,
     scaled_sharding,
@@ -67,8 +68,8 @@ from experiments.lab.aot_results import (
 )
 from experiments.lab.aot_side_programs import draft_head_programs, transfer_programs
 from models.config import ModelConfig
-from models.sharding import KV_CACHE_SPEC, param_specs
-from pallas_kernels import resolve_backend
+from models.sharding import kv_cache_spec, param_specs
+from pallas_kernels import kv_layout_for, resolve_backend
 from pallas_kernels.kv_quant import allocate_scaled, scale_layout
 
 
@@ -109,7 +110,7 @@ def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: st
     smoothing = resolve_smoothing(config, platform) if mesh is None else None
     quant = dict(quantization=config.quantization, activation_rows=activation_rows, smoothing=smoothing is not None)
     params, replicated, kv_sharding, kv_config = _abstract_params(model, dtype, layer_loop, placement, devices[0],
-                                                                  **quant)
+                                                                  kv_layout=kv_layout_for(backend), **quant)
     lora_method = "masked"
     if config.enable_lora:  # the adapter slots join the served weights (engine/lora/slots.py)
         from models.lora import LORA_PRODUCT, allocate_lora_buffers
@@ -171,7 +172,8 @@ def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: st
                                       device=devices[0], peak=peak, bandwidth=bandwidth, progress=progress)
     elif drafting == "draft_head":
         draft = draft_head_programs(draft_head, params, shapes, spec.num_speculative_tokens, progress=progress)
-    transfers = transfer_programs(config, target_name, kv_leaf, max_blocks_per_seq) if config.disaggregation else []
+    transfers = (transfer_programs(config, target_name, kv_leaf, max_blocks_per_seq, kv_layout_for(backend))
+                 if config.disaggregation else [])
     meta = manifest(platform=platform, device_kind=devices[0].device_kind, model=model, dtype=dtype,
                     attention_backend=backend, layer_loop=layer_loop, tensor_parallel_size=tp,
                     shapes=shapes, quantization=config.quantization, activation_rows=activation_rows,
@@ -187,7 +189,7 @@ def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: st
 
 def _abstract_params(model: ModelConfig, dtype: str, layer_loop: str, placement, device, *,
                      quantization: str | None = None, activation_rows: int | None = None,
-                     smoothing: bool = False):
+                     smoothing: bool = False, kv_layout: str = "token_major"):
     """(weights with their shardings, the replicated sharding, the KV cache's, the per-device
     KV shape's config) as the runner would serve them."""
     params = served_params_spec(model, dtype=dtype, layer_loop=layer_loop, placement=placement,
@@ -200,7 +202,7 @@ def _abstract_params(model: ModelConfig, dtype: str, layer_loop: str, placement,
     shardings = jax.tree.map(lambda s: NamedSharding(placement.mesh, s), specs,
                              is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
     return (with_sharding(params, shardings), placement.replicated,
-            NamedSharding(placement.mesh, KV_CACHE_SPEC), placement.layout.padded)
+            NamedSharding(placement.mesh, kv_cache_spec(kv_layout)), placement.layout.padded)
 
 
 def _kv_leaf(kv_config: ModelConfig, num_blocks: int, bs: int, dtype: str, backend: str, sharding,
@@ -208,8 +210,8 @@ def _kv_leaf(kv_config: ModelConfig, num_blocks: int, bs: int, dtype: str, backe
     bits = backend == "xla" and np.dtype(jax.numpy.dtype(dtype)).itemsize == 2
     kv_dtype = np.uint16 if bits else jax.numpy.dtype(dtype)
     layers = kv_config.num_layers if num_layers is None else num_layers
-    kv_shape = (layers, num_blocks, bs, kv_config.num_kv_heads, kv_config.head_dim)
-    return jax.ShapeDtypeStruct(kv_shape, kv_dtype, sharding=sharding)
+    shape = kv_shape(kv_config, layers, num_blocks, bs, kv_layout_for(backend))  # as the runner allocates it
+    return jax.ShapeDtypeStruct(shape, kv_dtype, sharding=sharding)
 
 
 def _kv_state(kv_config: ModelConfig, shapes: RunnerShapes, dtype: str, backend: str, sharding,
@@ -310,7 +312,7 @@ class _LayerCost:
                                         layer_types=model.layer_types[:n] if model.layer_types else None)
             placement = placement_for(small)
             params, replicated, kv_sharding, kv_config = _abstract_params(small, dtype, "unrolled", placement, device,
-                                                                          **quant)
+                                                                          kv_layout=kv_layout_for(backend), **quant)
             # The real cache: XLA's cost analysis charges a Pallas call by its own cost estimate and
             # operands, so the figures are what it says of the unrolled program (tested against one).
             kv = _kv_state(kv_config, shapes, dtype, backend, kv_sharding)

@@ -15,7 +15,7 @@ from engine.config import EngineConfig
 from engine.step.buckets import RunnerShapes
 from engine.step.mesh import replica_meshes
 from experiments.lab.aot_results import devices_for, nbytes, tree_bytes_per_device, with_sharding
-from models.sharding import KV_CACHE_SPEC
+from models.sharding import kv_cache_spec
 
 
 def draft_head_programs(cfg, target_params, shapes: RunnerShapes, k: int, *, progress) -> dict:
@@ -45,9 +45,11 @@ def draft_head_programs(cfg, target_params, shapes: RunnerShapes, k: int, *, pro
             "kv_cache_bytes": 0, "table_bytes": 0, "programs": programs}
 
 
-def transfer_programs(config: EngineConfig, target_name: str, kv_leaf, max_blocks_per_seq: int) -> list:
+def transfer_programs(config: EngineConfig, target_name: str, kv_leaf, max_blocks_per_seq: int,
+                      kv_layout: str = "token_major") -> list:
     """Disaggregation's KV gather (on the prefill pool) and scatter (on the decode pool, the next
-    devices) for every block bucket, compiled like KVGather and KVScatter compile them."""
+    devices) for every block bucket, compiled like KVGather and KVScatter compile them (the pools'
+    caches in `kv_layout`, the runners')."""
     from engine.disaggregation.kv_transfer import block_buckets, gather_blocks, scatter_blocks
 
     pd = config.disaggregation
@@ -58,7 +60,7 @@ def transfer_programs(config: EngineConfig, target_name: str, kv_leaf, max_block
     pools = []
     for pool in (more[: pd.prefill], more[pd.prefill:]):
         mesh = replica_meshes(len(pool), 1, pool)[0]
-        pools.append((NamedSharding(mesh, KV_CACHE_SPEC), NamedSharding(mesh, jax.sharding.PartitionSpec())))
+        pools.append((NamedSharding(mesh, kv_cache_spec(kv_layout)), NamedSharding(mesh, jax.sharding.PartitionSpec())))
     out = []
     for n in block_buckets(max_blocks_per_seq):
         (src, src_ids), (dst, dst_ids) = pools

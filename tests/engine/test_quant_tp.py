@@ -80,8 +80,9 @@ def test_values_and_scales_are_split_as_the_float_weights(setup):
         np.testing.assert_array_equal(np.asarray(two[name].scale), np.asarray(one[name].scale))
     for cache in engine.runner.kv_cache:
         assert isinstance(cache, ScaledCache) and cache.values.dtype == jnp.int8
-        assert _shard_shapes(cache.values) == {(2, 40, 16, 2, 16)}
-        assert _shard_shapes(cache.scales) == {(2, 40, 16, 2)}
+        assert engine.runner.kv_layout == "head_major"  # the xla path's pages: [L, blocks, Hkv, block_size, D]
+        assert _shard_shapes(cache.values) == {(2, 40, 2, 16, 16)}
+        assert _shard_shapes(cache.scales) == {(2, 40, 2, 16)}
     w1 = sum(a.nbytes for a in jax.tree.leaves(one))
     w2 = engine.get_stats().weight_bytes_per_device
     assert len(w2) == 2 and max(w2) < 0.7 * w1  # a half each, plus padding and replicated scales
