@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.in_major import InMajorWeight
 from models.quant import QuantizedWeight
+from models.weight_first import float32_product, takes_weight_first
 from pallas_kernels.kv_write import as_bits, from_bits
 
 
@@ -115,11 +115,13 @@ def gated(gate_up: jax.Array, act: str) -> jax.Array:
 
 def proj(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     """x [t, ...] times a weight: x cast to the weight's dtype, accumulated and returned in f32
-    (a quantized weight runs its own product form, models/quant.py; so does a float32 one held
-    in-major on the CPU, models/in_major.py)."""
-    if isinstance(w, (QuantizedWeight, InMajorWeight)):
+    (a quantized weight runs its own product form, models/quant.py; a float32 out-major product of
+    2+ rows runs weight-first on the CPU, models/weight_first.py)."""
+    if isinstance(w, QuantizedWeight):
         return w.product(spec, x)
     x = x.astype(w.dtype)
+    if takes_weight_first(spec, x, w):
+        return float32_product(spec, x, w)
     product = lambda x, w: jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)  # noqa: E731
     if x.shape[0] != 1 or w.dtype != jnp.bfloat16:
         return product(x, w)

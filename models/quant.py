@@ -84,8 +84,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from models.in_major import check_out_major
 from models.int8_dot import codes_product, int8_product
+from models.weight_first import check_out_major
 from models.weight_formats import QUANTIZATIONS, QUANTIZED_TABLES
 
 # quantize_params(activation_group=G): activations quantized with one scale per G input channels

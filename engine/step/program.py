@@ -32,7 +32,6 @@ from engine.step.request_table import allocate_table_state
 from engine.step.sampler import sample
 from engine.step.step_inputs import BatchBuilder, StepLayout
 from models.config import ModelConfig
-from models.in_major import hold_in_major
 from models.llama import forward_paged
 from models.quant import hold_code_sums, quantize_params
 from models.random_weights import random_params
@@ -48,8 +47,8 @@ def serve_layout(params: dict, layer_loop: str, quantization: str | None = None,
     before the stacked 16-bit layers become bits: models/quant.py quantizes float values)."""
     stacked = stack_layers(params) if layer_loop == "stacked" else params
     served = quantize_params(fuse_projections(stacked), quantization, activation_rows=activation_rows)
-    if layer_loop == "switch":  # the CPU's loop: float32 products held in-major (models/in_major.py),
-        served = hold_code_sums(hold_in_major(served))  # int8 ones with their sums (models/int8_dot.py)
+    if layer_loop == "switch":  # the CPU's loop: int8 products with their code sums (models/int8_dot.py)
+        served = hold_code_sums(served)
     return pack_layer_bits(served)
 
 

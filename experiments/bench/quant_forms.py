@@ -5,8 +5,8 @@
 The weight products of `--layers` layers of the default model's shapes (qkv_proj [960, 576],
 o_proj [576, 576], gate_up_proj [3072, 576], down_proj [576, 1536], out-major as served), one
 jitted function per (form, rows), each product fed by the previous one's output so none is
-skipped. Forms (models/quant.py): float32 (out-major, as served on accelerators); float32
-in-major (models/in_major.py, as the CPU's layer loop serves it); int8 weight-only (the weights
+skipped. Forms (models/quant.py): float32 (as served: out-major, weight-first on the CPU from 2
+rows, models/weight_first.py); float32 x . w^T (the plain product, what accelerators run); int8 weight-only (the weights
 converted inside the dot); int8 x int8 -> int32 with dynamic per-row activation scales, and with one activation scale
 per 64 input channels of a row ("g64"); fp8 weight-only. The forms of
 one row count are timed in turn, `--repeats` rounds, medians in ms; the ratio column is float32 /
@@ -25,7 +25,7 @@ _REPEATS = flags.DEFINE_integer("repeats", 15, "Timed rounds per row count.")
 _LAYERS = flags.DEFINE_integer("layers", 30, "Layers of products per call.")
 
 SHAPES = {"qkv_proj": (960, 576), "o_proj": (576, 576), "gate_up_proj": (3072, 576), "down_proj": (576, 1536)}
-FORMS = ("float32", "float32 in-major", "int8 weight-only", "int8 x int8", "int8 x int8 g64", "fp8 weight-only")
+FORMS = ("float32", "float32 x . w^T", "int8 weight-only", "int8 x int8", "int8 x int8 g64", "fp8 weight-only")
 
 
 def build(num_layers: int):
@@ -33,15 +33,13 @@ def build(num_layers: int):
     import jax.numpy as jnp
     import numpy as np
 
-    from models.in_major import InMajorWeight
     from models.quant import quantize_weight
 
     rng = np.random.default_rng(0)
     floats = [{k: jnp.asarray(rng.standard_normal(s, np.float32) * 0.05) for k, s in SHAPES.items()}
               for _ in range(num_layers)]
     weights = {"float32": floats,
-               "float32 in-major": [{k: InMajorWeight(jnp.swapaxes(w, 0, 1)) for k, w in d.items()}
-                                    for d in floats],
+               "float32 x . w^T": floats,
                "int8 weight-only": [{k: quantize_weight(w, "int8") for k, w in d.items()} for d in floats],
                "int8 x int8": [{k: quantize_weight(w, "int8", activation_rows=0) for k, w in d.items()}
                                for d in floats],
@@ -49,8 +47,12 @@ def build(num_layers: int):
                                     for k, w in d.items()} for d in floats],
                "fp8 weight-only": [{k: quantize_weight(w, "fp8") for k, w in d.items()} for d in floats]}
 
-    def run(layers, x):
-        from models.layers import proj
+    def plain(spec, x, w):  # the product without the CPU's weight-first form
+        return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
+
+    def run(layers, x, proj=None):
+        if proj is None:
+            from models.layers import proj
 
         for d in layers:
             h = proj("te,ne->tn", x, d["qkv_proj"])[:, :576]
@@ -60,7 +62,8 @@ def build(num_layers: int):
         return x
 
     fn = jax.jit(run)
-    return {form: (fn, w) for form, w in weights.items()}
+    return {form: (jax.jit(lambda layers, x: run(layers, x, plain)) if form == "float32 x . w^T" else fn, w)
+            for form, w in weights.items()}
 
 
 def main(argv):
@@ -69,14 +72,14 @@ def main(argv):
     import numpy as np
 
     fns = build(_LAYERS.value)
-    print(f"| rows | {' | '.join(FORMS)} (ms) | float32 / in-major | float32 / int8 weight-only | "
+    print(f"| rows | {' | '.join(FORMS)} (ms) | x . w^T / float32 | float32 / int8 weight-only | "
           "float32 / int8 x int8 |")
     print("|" + " --- |" * (len(FORMS) + 4))
     for rows in map(int, _ROWS.value):
         x = jnp.asarray(np.random.default_rng(1).standard_normal((rows, 576), np.float32))
         med = median_ms(fns, x, FORMS, _REPEATS.value)
         print(f"| {rows} | {' | '.join(f'{med[f]:.2f}' for f in FORMS)} | "
-              f"{med['float32'] / med['float32 in-major']:.2f} | {med['float32'] / med['int8 weight-only']:.2f} | {med['float32'] / med['int8 x int8']:.2f} |",
+              f"{med['float32 x . w^T'] / med['float32']:.2f} | {med['float32'] / med['int8 weight-only']:.2f} | {med['float32'] / med['int8 x int8']:.2f} |",
               flush=True)
 
 

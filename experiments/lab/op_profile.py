@@ -18,7 +18,7 @@ module has the same name), and each op is classified two ways from that HLO:
   where   the source file of the op's innermost stack frame (the HLO keeps jax's stack frames):
           "attention" (pallas_kernels/ xla paths), "kv write" (pallas_kernels/kv_write.py,
           kv_quant.py, tpu_kv_write.py), "weights" (the products of models/quant.py, int8_dot.py,
-          in_major.py and layers.py), "model" (other models/ code), "sampler" (engine/step/), or "other".
+          weight_first.py and layers.py), "model" (other models/ code), "sampler" (engine/step/), or "other".
 The numbers are a trace's (the profiler costs a few percent). On the CPU, ops of one step can run
 at once on the thread pool and some time falls between ops, so the summed op time was 0.7-1.0x
 the step's device time in the runs of BUILD_NOTES.md ("CPU attention forms"): read the shares.
@@ -44,7 +44,7 @@ CONTROL = {"while", "conditional", "call"}
 PRODUCT_OPS = {"dot", "convolution"}
 WHERE = (("pallas_kernels/kv_write", "kv write"), ("pallas_kernels/kv_quant", "kv write"),
          ("pallas_kernels/tpu_kv_write", "kv write"), ("pallas_kernels/", "attention"),
-         ("models/quant", "weights"), ("models/int8_dot", "weights"), ("models/in_major", "weights"),
+         ("models/quant", "weights"), ("models/int8_dot", "weights"), ("models/weight_first", "weights"),
          ("models/layers", "weights"), ("models/", "model"), ("engine/step/", "sampler"))
 
 
