@@ -197,17 +197,18 @@ def check_cache(k_cache, v_cache, layer, *, k_name="k_cache", v_name="v_cache",
             f"got dtype {dtype} ({shapes})"
         )
     ndim = np.ndim(k_cache)
+    page = "num_kv_heads, block_size" if kv_layout == "head_major" else "block_size, num_kv_heads"
     if ndim == 4:
         if layer is not None:
             raise ValueError(
-                f"a single-layer {k_name} [num_blocks, block_size, num_kv_heads, head_dim] takes "
+                f"a single-layer {k_name} [num_blocks, {page}, head_dim] takes "
                 f"layer=None; got layer={layer!r} ({shapes})"
             )
         return _sizes(1, *np.shape(k_cache), kv_layout=kv_layout)
     if ndim != 5:
         raise ValueError(
-            f"{k_name} must be [num_layers, num_blocks, block_size, num_kv_heads, head_dim] "
-            f"(or [num_blocks, block_size, num_kv_heads, head_dim] with layer=None); got {shapes}"
+            f"{k_name} must be [num_layers, num_blocks, {page}, head_dim] "
+            f"(or [num_blocks, {page}, head_dim] with layer=None); got {shapes}"
         )
     num_layers = np.shape(k_cache)[0]
     if layer is None:

@@ -189,6 +189,8 @@ def test_the_layout_is_refused_by_name_where_it_is_not_implemented():
         ragged_paged_attention(batch["q"], batch["k_pages"], batch["v_pages"], md, kv_layout="heads", **options)
     with pytest.raises(ValueError, match="kv_layout must be one of"):
         write_kv(k, k, k[0], k[0], jnp.zeros((4,), jnp.int32), kv_layout="heads")
+    with pytest.raises(ValueError, match=r"\[num_layers, num_blocks, num_kv_heads, block_size, head_dim\]"):
+        write_kv(k[0], k[0], k[0], k[0], jnp.zeros((4,), jnp.int32), kv_layout="head_major")
     # Token-major pages read as head-major: their [block_size, Hkv] is not the metadata's [Hkv, block_size].
     with pytest.raises(ValueError, match="block_size and num_kv_heads"):
         ragged_paged_attention(batch["q"], batch["k_pages"], batch["v_pages"], md, kv_layout="head_major",
