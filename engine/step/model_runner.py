@@ -84,11 +84,12 @@ class ModelRunner:
         self.dtype = dtype
         self.placement = placement
         bits = attention_backend == "xla"
-        layout = scale_layout(attention_backend)  # an 8-bit cache's scales as the backend reads them
-        # The pages' layout (head-major on the xla path: pallas_kernels/validation.kv_layout_for).
-        self.kv_layout = kv_layout_for(attention_backend)
-        # The cache groups (engine/step/kv_cache.py): one, or two with a sliding group.
+        self.kv_layout = kv_layout_for(attention_backend)  # the pages' layout: head-major on the xla path
+        # The cache groups (engine/step/kv_cache.py): one, or two with a sliding group; an 8-bit
+        # cache's scales as the backend reads them.
         cache_blocks, sliding_blocks, tables = cache_groups(model_config, shapes.num_blocks, shapes.num_sliding_blocks)
+        cache = dict(bits=bits, kv_cache_dtype=kv_cache_dtype, num_sliding_blocks=sliding_blocks,
+                     scale_layout=scale_layout(attention_backend), kv_layout=self.kv_layout)
         if placement is None:
             # Served layout (models/llama.py): q/k/v and gate/up fused into one product each;
             # stacked 16-bit layers as their bits.
@@ -97,10 +98,7 @@ class ModelRunner:
             # channel of the served layout; the float copy is dropped with the caller's.
             self.params = serve_layout(jax.tree.map(jnp.asarray, params), layer_loop, quantization,
                                        activation_rows)
-            self.kv_cache = allocate_kv_cache(model_config, cache_blocks, shapes.block_size, dtype,
-                                              bits=bits, kv_cache_dtype=kv_cache_dtype,
-                                              num_sliding_blocks=sliding_blocks, scale_layout=layout,
-                                              kv_layout=self.kv_layout)
+            self.kv_cache = allocate_kv_cache(model_config, cache_blocks, shapes.block_size, dtype, **cache)
         else:
             if keep_hidden:
                 raise ValueError("ModelRunner(keep_hidden=True) runs on one device (no placement)")
@@ -113,10 +111,8 @@ class ModelRunner:
             # shard by shard (and quantized there: Placement.place(quantization=...)); the cache
             # split on KV heads, an 8-bit one's scales too; inputs and the table replicated.
             self.params = params
-            self.kv_cache = allocate_kv_cache(placement.layout.padded, cache_blocks, shapes.block_size,
-                                              dtype, bits=bits, sharding=placement.kv_sharding(self.kv_layout),
-                                              kv_cache_dtype=kv_cache_dtype, num_sliding_blocks=sliding_blocks,
-                                              scale_layout=layout, kv_layout=self.kv_layout)
+            self.kv_cache = allocate_kv_cache(placement.layout.padded, cache_blocks, shapes.block_size, dtype,
+                                              sharding=placement.kv_sharding(self.kv_layout), **cache)
         self.lora = lora
         if lora is not None:
             self.params = {**self.params, "lora": lora.buffers}
