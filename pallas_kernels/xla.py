@@ -107,17 +107,16 @@ class PagedKV:
     @classmethod
     def of(cls, k_cache, v_cache, cache: validation.CacheShapes, layer, q_dtype, block_size):
         page_shape = (cache.num_layers * cache.num_blocks, *cache.page_shape)
-        layout = dict(kv_layout=cache.kv_layout)
         if isinstance(k_cache, ScaledCache):
             pages = lambda c: (jnp.reshape(c.values, page_shape), jnp.reshape(c.scales, page_shape[:-1]))  # noqa: E731
             (k_pages, k_scales), (v_pages, v_scales) = pages(k_cache), pages(v_cache)
             return cls(k_pages, v_pages, validation.layer_index(layer) * cache.num_blocks, k_pages.dtype,
-                       block_size, (k_scales, v_scales), k_cache.kv_cache_dtype, **layout)
+                       block_size, (k_scales, v_scales), k_cache.kv_cache_dtype, kv_layout=cache.kv_layout)
         dtype = jnp.asarray(k_cache).dtype
         if dtype == jnp.uint16:
             dtype = q_dtype
         return cls(jnp.reshape(as_bits(k_cache), page_shape), jnp.reshape(as_bits(v_cache), page_shape),
-                   validation.layer_index(layer) * cache.num_blocks, dtype, block_size, **layout)
+                   validation.layer_index(layer) * cache.num_blocks, dtype, block_size, kv_layout=cache.kv_layout)
 
     def gather(self, ids):
         """ids int32[..., P] page ids within the layer -> K, V float32 [..., P * bs, Hkv, D]

@@ -105,13 +105,12 @@ def ragged_paged_attention_xla(
     "head_major": [.., num_blocks, Hkv, block_size, D] (xla.py).
     """
     scaled = isinstance(k_cache, ScaledCache) or isinstance(v_cache, ScaledCache)
-    layout = dict(kv_layout=kv_layout)
     if scaled:  # an 8-bit cache: values and scales (kv_quant.py), dequantized after each gather
         check_scaled_pair(k_cache, v_cache, "token")
         cache = validation.check_layer_inputs(q, k_cache.values, v_cache.values, md, layer, "xla", eight_bit=True,
-                                              **layout)
+                                              kv_layout=kv_layout)
     else:
-        cache = validation.check_layer_inputs(q, k_cache, v_cache, md, layer, "xla", **layout)
+        cache = validation.check_layer_inputs(q, k_cache, v_cache, md, layer, "xla", kv_layout=kv_layout)
     validation.check_options(sm_scale, sliding_window, soft_cap, "xla")
     validation.check_window_fits(md, sliding_window)
     q = jnp.asarray(q)

@@ -42,6 +42,7 @@ from models import kv_bytes
 from models.config import ModelConfig
 from pallas_kernels import KV_LAYOUTS
 from pallas_kernels.kv_quant import ScaledCache, allocate_scaled
+from pallas_kernels.validation import CacheShapes
 from scheduler.sliding_window import num_blocks_needed
 
 if TYPE_CHECKING:
@@ -227,8 +228,7 @@ def kv_shape(config: ModelConfig, num_layers: int, num_blocks: int, block_size: 
     """One cache array's shape: [L, blocks, block_size, Hkv, D], or head-major [L, blocks, Hkv, block_size, D]."""
     if kv_layout not in KV_LAYOUTS:
         raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}; got {kv_layout!r}")
-    page = ((config.num_kv_heads, block_size) if kv_layout == "head_major" else (block_size, config.num_kv_heads))
-    return (num_layers, num_blocks, *page, config.head_dim)
+    return CacheShapes(num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, kv_layout).stacked_shape
 
 
 def _allocate(config: ModelConfig, num_layers: int, num_blocks: int, block_size: int, dtype: str, bits: bool,
