@@ -12,7 +12,8 @@ and stores the block tables per query block, [NB, max_blocks_per_seq padded to p
 plus the loop's first and last step.
 
 Walkthrough of one layer's call:
-  1. Gather q into [NB, block_q, Hkv, G, D] (scaled by sm_scale, float32).
+  1. Gather q into [NB, block_q, Hkv, G, D]: float32 scaled by sm_scale, or, over a bfloat16
+     cache of a bfloat16 model, left in bfloat16 with the scale applied to the scores.
   2. A while loop walks the block tables `pages_per_step` pages at a time, from the first page any
      block needs to the last page of the longest real context (a device value: padding blocks and
      short contexts cost nothing past that). Each step gathers only those pages of each block's
@@ -26,7 +27,12 @@ Walkthrough of one layer's call:
      ops on the CPU: BUILD_NOTES.md "CPU attention forms", head-major pages).
      A 16-bit cache is gathered as its bits (kv_write.as_bits; XLA:CPU would otherwise convert
      the whole cache to float32 to gather from it) and converted after the gather; a uint16
-     cache (the bits of a 16-bit cache, kv_write.py) is read as q's dtype.
+     cache (the bits of a 16-bit cache, kv_write.py) is read as q's dtype. Pages stay in
+     bfloat16 when the model is bfloat16 (`compute_dtype`): Q . K and P . V take bfloat16 operands
+     and sum in float32, P rounded to bfloat16 for its product, as the Pallas TPU and GPU kernels
+     do; a float32 copy of every gathered page would be written and read again (BUILD_NOTES.md
+     "CPU attention forms", stop 49: the fixed workload at 32 requests 1.10-1.11x faster in
+     bfloat16). Other caches are converted to float32 (8-bit ones dequantized) after the gather.
   3. Online softmax in float32 (running max m, sum denom, accumulator acc), masked causally by
      position, by the sliding window, and to the block's real rows. Head-major pages compute in
      [NB, Hkv, bq, G, ..] order, P . V a product. Token-major pages: for one-token rows (block_q
@@ -94,7 +100,7 @@ class PagedKV:
     ([L * num_blocks, Hkv, bs] head-major)."""
 
     def __init__(self, k_pages, v_pages, page_base, dtype, block_size, scales=None, kv_cache_dtype="auto",
-                 kv_layout="token_major"):
+                 kv_layout="token_major", q_dtype=None):
         self.k_pages, self.v_pages = k_pages, v_pages  # [L * num_blocks, *page_shape] (bits)
         self.page_base = page_base  # int (static) or int32[]: layer * num_blocks
         self.dtype = dtype  # the dtype the pages hold (the float type for a uint16 cache)
@@ -103,6 +109,10 @@ class PagedKV:
         self.kv_cache_dtype = kv_cache_dtype
         self.head_major = kv_layout == "head_major"
         self.num_kv_heads = k_pages.shape[1 if self.head_major else 2]
+        # The products' operand dtype: bfloat16 pages read by a bfloat16 query stay bfloat16;
+        # everything else (float32, float16, an 8-bit cache, a float32 query) is float32.
+        bf16 = scales is None and jnp.dtype(dtype) == jnp.bfloat16 and jnp.dtype(q_dtype or dtype) == jnp.bfloat16
+        self.compute_dtype = jnp.bfloat16 if bf16 else jnp.float32
 
     @classmethod
     def of(cls, k_cache, v_cache, cache: validation.CacheShapes, layer, q_dtype, block_size):
@@ -111,16 +121,26 @@ class PagedKV:
             pages = lambda c: (jnp.reshape(c.values, page_shape), jnp.reshape(c.scales, page_shape[:-1]))  # noqa: E731
             (k_pages, k_scales), (v_pages, v_scales) = pages(k_cache), pages(v_cache)
             return cls(k_pages, v_pages, validation.layer_index(layer) * cache.num_blocks, k_pages.dtype,
-                       block_size, (k_scales, v_scales), k_cache.kv_cache_dtype, kv_layout=cache.kv_layout)
+                       block_size, (k_scales, v_scales), k_cache.kv_cache_dtype, kv_layout=cache.kv_layout,
+                       q_dtype=q_dtype)
         dtype = jnp.asarray(k_cache).dtype
         if dtype == jnp.uint16:
             dtype = q_dtype
         return cls(jnp.reshape(as_bits(k_cache), page_shape), jnp.reshape(as_bits(v_cache), page_shape),
-                   validation.layer_index(layer) * cache.num_blocks, dtype, block_size, kv_layout=cache.kv_layout)
+                   validation.layer_index(layer) * cache.num_blocks, dtype, block_size, kv_layout=cache.kv_layout,
+                   q_dtype=q_dtype)
+
+    def query(self, qb, sm_scale):
+        """A query block in the products' operand dtype and the scale its scores still take: float32
+        scaled by sm_scale (score scale None), or bfloat16 as given (q's dtype is the cache's) with
+        sm_scale applied to the float32 scores, as the Pallas kernels do."""
+        if self.compute_dtype == jnp.float32:
+            return qb.astype(jnp.float32) * jnp.float32(sm_scale), None
+        return qb.astype(self.compute_dtype), sm_scale
 
     def gather(self, ids):
-        """ids int32[..., P] page ids within the layer -> K, V float32 [..., P * bs, Hkv, D]
-        (head-major pages: [..., Hkv, P * bs, D])."""
+        """ids int32[..., P] page ids within the layer -> K, V [..., P * bs, Hkv, D] in
+        `compute_dtype` (head-major pages: [..., Hkv, P * bs, D])."""
         ids = ids + self.page_base
         if self.head_major:  # row (page, head) of the [pages * Hkv, bs * D] view, heads before pages
             heads = jnp.arange(self.num_kv_heads, dtype=jnp.int32)[:, None]
@@ -131,7 +151,7 @@ class PagedKV:
                 pages = jnp.reshape(pages, (-1, *pages.shape[2:]))  # [pages * Hkv, bs(, D)]
                 scales = None if scales is None else jnp.reshape(scales, (-1, scales.shape[-1]))
             if scales is None:
-                x = from_bits(take_pages(pages, ids), self.dtype).astype(jnp.float32)
+                x = from_bits(take_pages(pages, ids), self.dtype).astype(self.compute_dtype)
             else:  # dequantized after the gather: only the pages read are converted
                 x = dequantize_kv(take_pages(pages, ids), take_pages(scales, ids), self.kv_cache_dtype)
             if self.head_major:  # [..., Hkv, P, bs, D]
@@ -152,10 +172,11 @@ def take_pages(pages, ids):
 
 
 def page_loop(qb, tables, first_step, last_step, row_pos, row_ok, kv: PagedKV, *, pages_per_step,
-              sliding_window, soft_cap):
+              sliding_window, soft_cap, score_scale=None):
     """Online-softmax attention of query blocks over their pages, pages_per_step pages a step.
 
-    qb float32[NB, bq, Hkv, G, D] (already scaled by sm_scale); tables int32[NB, columns] (a
+    qb [NB, bq, Hkv, G, D] in kv.compute_dtype (PagedKV.query: float32 already scaled by sm_scale,
+    or bfloat16 with score_scale, sm_scale, applied to the scores); tables int32[NB, columns] (a
     multiple of pages_per_step); loop steps [first_step, last_step) (device values); row_pos,
     row_ok [NB, bq]: each row's kv position and whether it is real. Returns float32
     [NB, bq, Hkv, G, D], 0 for rows that see nothing.
@@ -169,7 +190,10 @@ def page_loop(qb, tables, first_step, last_step, row_pos, row_ok, kv: PagedKV, *
         m, denom, acc = carry
         ids = jax.lax.dynamic_slice_in_dim(tables, step * pages_per_step, pages_per_step, axis=1)
         k, v = kv.gather(ids)  # [NB, kv_step, Hkv, D] (head-major: [NB, Hkv, kv_step, D])
-        s = jnp.einsum("nhqgd,nhkd->nhqgk" if head else "nqhgd,nkhd->nqhgk", qx, k)
+        s = jnp.einsum("nhqgd,nhkd->nhqgk" if head else "nqhgd,nkhd->nqhgk", qx, k,
+                       preferred_element_type=jnp.float32)
+        if score_scale is not None:
+            s = s * jnp.float32(score_scale)
         if soft_cap is not None:
             s = jnp.float32(soft_cap) * jnp.tanh(s / jnp.float32(soft_cap))
         kv_pos = step * kv_step + jnp.arange(kv_step, dtype=jnp.int32)
@@ -182,12 +206,13 @@ def page_loop(qb, tables, first_step, last_step, row_pos, row_ok, kv: PagedKV, *
         p = jnp.exp(s - m_safe[..., None])
         alpha = jnp.exp(m - m_safe)
         denom = alpha * denom + jnp.sum(p, axis=-1)
+        pk = p.astype(v.dtype)  # P in the pages' dtype for its product (a no-op in float32)
         if head:
-            pv = jnp.einsum("nhqgk,nhkd->nhqgd", p, v)
+            pv = jnp.einsum("nhqgk,nhkd->nhqgd", pk, v, preferred_element_type=jnp.float32)
         elif bq == 1:  # one-token rows: P . V as a multiply and a sum over the kv positions
-            pv = jnp.sum(p[..., None] * jnp.swapaxes(v, 1, 2)[:, None, :, None, :, :], axis=-2)
+            pv = jnp.sum(pk.astype(jnp.float32)[..., None] * jnp.swapaxes(v, 1, 2)[:, None, :, None, :, :], axis=-2)
         else:
-            pv = jnp.einsum("nqhgk,nkhd->nqhgd", p, v)
+            pv = jnp.einsum("nqhgk,nkhd->nqhgd", pk, v, preferred_element_type=jnp.float32)
         acc = alpha[..., None] * acc + pv
         return m_new, denom, acc
 
@@ -220,7 +245,7 @@ def _row_groups(qb, md: metadata.AttentionMetadata, row_pos, row_ok, kv: PagedKV
                       group(row_ok), kv, pages_per_step=pages_per_step, **options)
         return jax.lax.dynamic_update_slice_in_dim(out, o, i * ROW_GROUP, axis=0)
 
-    out = jax.lax.fori_loop(0, num_groups, body, jnp.zeros_like(qb))
+    out = jax.lax.fori_loop(0, num_groups, body, jnp.zeros(qb.shape, jnp.float32))
     return out[:nb]
 
 
@@ -232,11 +257,12 @@ def blocks_attention(q, kv: PagedKV, md: metadata.AttentionMetadata, *, sm_scale
     Hkv, G, bq, nb = md.num_kv_heads, md.group, md.block_q, md.num_query_blocks
     blocks = md.blocks
     qb = metadata.gather_query_blocks(q, blocks, block_q=bq)  # [NB, bq, Hq, D]
-    qb = qb.astype(jnp.float32).reshape(nb, bq, Hkv, G, D) * jnp.float32(sm_scale)
+    qb, score_scale = kv.query(qb.reshape(nb, bq, Hkv, G, D), sm_scale)
     rows = jnp.arange(bq, dtype=jnp.int32)
     row_pos = blocks.first_pos[:, None] + rows[None, :]  # [NB, bq]
     row_ok = rows[None, :] < blocks.q_lens[:, None]  # [NB, bq]
-    options = dict(pages_per_step=md.pages_per_step, sliding_window=sliding_window, soft_cap=soft_cap)
+    options = dict(pages_per_step=md.pages_per_step, sliding_window=sliding_window, soft_cap=soft_cap,
+                   score_scale=score_scale)
     if bq == 1 and nb > ROW_GROUP:
         out = _row_groups(qb, md, row_pos, row_ok, kv, **options)
     else:

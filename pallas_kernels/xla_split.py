@@ -189,13 +189,13 @@ def _tier_attention(q, kv: PagedKV, ch: ChunkMetadata, out, *, sm_scale, sliding
     def body(c, out):
         start = ch.q_starts[c]
         qb = jax.lax.dynamic_slice_in_dim(q_pad, start, bq, axis=0)
-        qb = qb.astype(jnp.float32).reshape(1, bq, Hkv, G, D) * jnp.float32(sm_scale)
+        qb, score_scale = kv.query(qb.reshape(1, bq, Hkv, G, D), sm_scale)
         table = jax.lax.dynamic_slice_in_dim(ch.tables, ch.seq_ids[c], 1, axis=0)  # [1, cols]
         row_ok = rows < ch.q_lens[c]
         o = page_loop(qb, table, ch.first_step[c], ch.last_step[c],
                       (ch.first_pos[c] + rows)[None, :], row_ok[None, :], kv,
                       pages_per_step=ch.pages_per_step, sliding_window=sliding_window,
-                      soft_cap=soft_cap)
+                      soft_cap=soft_cap, score_scale=score_scale)
         o = o.reshape(bq, Hq, D).astype(q.dtype)
         old = jax.lax.dynamic_slice_in_dim(out, start, bq, axis=0)
         o = jnp.where(row_ok[:, None, None], o, old)
