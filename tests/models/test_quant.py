@@ -4,6 +4,7 @@ dense oracle with the same quantization (prefill in chunks, then decode, several
 ragged batch)."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -75,6 +76,27 @@ def test_product_forms(method):
             np.testing.assert_array_equal(rows, batched if form is switched else by_group)
     with pytest.raises(ValueError, match="out-major"):
         weight_only.product("te,en->tn", x)
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_a_16bit_models_one_row_weight_only_product_sums_in_float32_on_the_cpu(method):
+    """A bfloat16 model's one-row weight-only product: on the CPU its row (rounded to bfloat16, as
+    the model holds it) and the codes widen exactly to float32 (XLA:CPU's one-row bfloat16 loop is
+    slower); TPU and GPU lowerings keep the bfloat16 dot. 2+ rows keep bfloat16 everywhere."""
+    qw = dataclasses.replace(quantize_weight(_weight(), method), dtype_name="bfloat16")
+    x = jnp.asarray(RNG.standard_normal((1, 40)).astype(np.float32))
+    x16 = np.asarray(x.astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+    exact = x16 @ np.asarray(qw.q.astype(jnp.float32), np.float64).T * np.asarray(qw.scale, np.float64)
+    fn = jax.jit(lambda x: qw.product("te,ne->tn", x))
+    np.testing.assert_allclose(np.asarray(fn(x)), exact, rtol=1e-6, atol=1e-6)
+    cpu = [line for line in fn.lower(x).as_text().splitlines() if "dot_general" in line]
+    assert cpu and all(re.search(r"\(tensor<1x40xf32>, tensor<40x48xf32>\)", line) for line in cpu), cpu
+    for platform in ("tpu", "cuda"):
+        text = fn.trace(x).lower(lowering_platforms=(platform,)).as_text()
+        assert re.search(r"dot_general.*tensor<1x40xbf16>", text), platform
+    two_rows = jax.jit(lambda x: qw.product("te,ne->tn", x)).trace(jnp.concatenate([x, x])).lower(
+        lowering_platforms=("cpu",)).as_text()
+    assert re.search(r"dot_general.*tensor<2x40xbf16>", two_rows)
 
 
 def test_quantize_params_covers_the_weight_matrices_only():
