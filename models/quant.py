@@ -198,8 +198,9 @@ class QuantizedWeight:
 
         if x.shape[0] == 1 and self.dtype != jnp.float32:
             # A 16-bit model's one row on the CPU in float32: XLA:CPU's one-row bfloat16 loop is
-            # ~3x slower than its float32 one (x and the codes widen exactly, so only the order
-            # of the float32 sum differs). Other platforms keep the model's dtype.
+            # 2.7x slower than its float32 one (BUILD_NOTES.md "Quantization", stop 49; x and the
+            # codes widen exactly, so only the order of the float32 sum differs). Other
+            # platforms keep the model's dtype.
             y = jax.lax.platform_dependent(x, cpu=lambda x: weight_only(x, jnp.float32),
                                            default=lambda x: weight_only(x, self.dtype))
         else:
