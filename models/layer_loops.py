@@ -1,7 +1,7 @@
 """How the decoder (models/llama.py) loops over its layers, beside a plain Python loop (unrolled)
 and a lax.scan over stacked weights: the switch scan, a lax.scan over groups of `layer_period`
 layers whose weight products are lax.switch branches over each layer's own out-major buffers
-(the CPU's layout, DESIGN.md section 7; float32 ones run weight-first there, models/weight_first.py), and the layer indices a group scan hands the layer
+(the CPU's layout, DESIGN.md section 7; float32 and small bfloat16 ones run weight-first there, models/weight_first.py), and the layer indices a group scan hands the layer
 step (`Static`: traced for the cache, static modulo the period for the layer's kind).
 """
 

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.quant import QuantizedWeight
-from models.weight_first import float32_product, takes_weight_first
+from models.weight_first import takes_weight_first, weight_first_product
 from pallas_kernels.kv_write import as_bits, from_bits
 
 
@@ -116,12 +116,12 @@ def gated(gate_up: jax.Array, act: str) -> jax.Array:
 def proj(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     """x [t, ...] times a weight: x cast to the weight's dtype, accumulated and returned in f32
     (a quantized weight runs its own product form, models/quant.py; a float32 out-major product of
-    2+ rows runs weight-first on the CPU, models/weight_first.py)."""
+    2+ rows, or a bfloat16 one of 2-64, runs weight-first on the CPU, models/weight_first.py)."""
     if isinstance(w, QuantizedWeight):
         return w.product(spec, x)
     x = x.astype(w.dtype)
     if takes_weight_first(spec, x, w):
-        return float32_product(spec, x, w)
+        return weight_first_product(spec, x, w)
     product = lambda x, w: jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)  # noqa: E731
     if x.shape[0] != 1 or w.dtype != jnp.bfloat16:
         return product(x, w)

@@ -1,24 +1,33 @@
-"""Float32 out-major products on the CPU computed weight-first: y^T = w . x^T, then transposed.
+"""Float32 and bfloat16 out-major products on the CPU computed weight-first: y^T = w . x^T, then
+transposed.
 
 XLA:CPU runs a float32 dot of 2 or more rows as a YNNPACK fusion, which packs its right-hand
 operand for the kernel on every call. In the usual form y = x . w^T that operand is the weight
 (every call repacks the whole matrix: an out-major [o, i] one through a transpose); in y^T =
 w . x^T it is the activations, t rows, and the weight streams through as the left-hand operand.
 The two transposes of the activations (x^T in, y^T out) are behind optimization barriers so that
-XLA does not fold them back into the x . w^T dot. Measured on this 2-core CPU (the default
-model's four layer products x 30 layers, each fed by the last, medians of 20 interleaved rounds,
-BUILD_NOTES.md "CPU attention forms", stop 48):
+XLA does not fold them back into the x . w^T dot. Measured in float32 on stop 48's 2-core AMD
+EPYC (the default model's four layer products x 30 layers, each fed by the last, medians of 20
+interleaved rounds, BUILD_NOTES.md "CPU attention forms", stop 48):
 
   rows                     1      8      32     256
   x . wt, wt in-major      17.3   27.8   54.5   296.0 ms   (stop 45's form, models/in_major.py)
   weight-first             17.9   23.7   46.9   282.8 ms
 
 and the default model's lm_head (its tied [49152, 576] embedding) 15.8 -> ~11 ms at 32 rows.
-One row stays x . w^T (XLA's own loop, no packing); bfloat16 is slower weight-first (41 -> 97 ms at
-32 rows: YNNPACK's bfloat16 kernels), so it and quantized weights (models/quant.py) keep their
-forms. Every platform but the CPU takes the plain product (`jax.lax.platform_dependent`: a compile
-for a TPU or GPU on a CPU host gets theirs). The arithmetic is the same dot products, summed in
-another order: float32 rounding differs, nothing else.
+One row stays x . w^T (XLA's own loop, no packing).
+
+bfloat16 takes it from 2 to BF16_MAX_ROWS rows, with x^T behind a flat reshape: where XLA:CPU
+sees the transpose feeding the dot it widens both operands to float32 (the whole weight, every
+call: 2.3x slower, stop 48). The same chain in bfloat16 on a 2-core Intel Xeon (stop 49, medians
+of 15 interleaved rounds; x . w^T -> weight-first): 2 rows 24.1 -> 15.3 ms, 8 rows 22.7 -> 16.0,
+16 rows 24.6 -> 18.2, 32 rows 23.2 -> 21.3, 64 rows 29.6 -> 26.5, but 128 rows 43.6 -> 46.7 and
+256 rows 61.2 -> 78.0, so larger products keep x . w^T. Quantized weights (models/quant.py) keep
+their own forms (int8 weight-first was 7-8x slower).
+
+Every platform but the CPU takes the plain product (`jax.lax.platform_dependent`: a compile for a
+TPU or GPU on a CPU host gets theirs). The arithmetic is the same dot products, summed in another
+order: float32 rounding differs, nothing else.
 """
 
 from __future__ import annotations
@@ -42,20 +51,27 @@ def check_out_major(spec: str, shape: tuple, kind: str) -> None:
                          f"spec {spec!r} for a weight of shape {tuple(shape)}")
 
 
+BF16_MAX_ROWS = 64  # the most rows a bfloat16 product runs weight-first (module docstring)
+
+
 def takes_weight_first(spec: str, x: jax.Array, w: jax.Array) -> bool:
-    """Whether `float32_product` runs weight-first on the CPU: a float32 2-D weight in an out-major
-    product of 2 or more rows."""
-    return (w.dtype == jnp.float32 and x.dtype == jnp.float32 and x.ndim == 2 and x.shape[0] >= 2
-            and out_major(spec, w.shape))
+    """Whether `weight_first_product` runs weight-first on the CPU: a 2-D weight in an out-major
+    product of 2 or more rows, float32, or bfloat16 up to BF16_MAX_ROWS rows."""
+    if x.ndim != 2 or x.shape[0] < 2 or x.dtype != w.dtype or not out_major(spec, w.shape):
+        return False
+    return w.dtype == jnp.float32 or (w.dtype == jnp.bfloat16 and x.shape[0] <= BF16_MAX_ROWS)
 
 
 def _weight_first(x, w):
-    xt = jax.lax.optimization_barrier(jnp.swapaxes(x, 0, 1))  # [i, t]
+    if x.dtype == jnp.bfloat16:  # x^T through a flat view: a visible transpose widens the dot
+        xt = jax.lax.optimization_barrier(jnp.swapaxes(x, 0, 1).reshape(-1)).reshape(x.shape[1], x.shape[0])
+    else:
+        xt = jax.lax.optimization_barrier(jnp.swapaxes(x, 0, 1))  # [i, t]
     yt = jnp.dot(w, xt, preferred_element_type=jnp.float32)  # [o, t]
     return jnp.swapaxes(jax.lax.optimization_barrier(yt), 0, 1)
 
 
-def float32_product(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+def weight_first_product(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     """x [t, i] . w [o, i] -> float32 [t, o] (`spec` out-major, `takes_weight_first`): weight-first
     on the CPU, the plain product elsewhere."""
     def plain(x, w):
