@@ -76,6 +76,7 @@ from models.moe import grouped_product, load_callback, moe_mlp
 from models.served_layout import num_layers_of, unpack_layer
 from pallas_kernels import prepare_attention_metadata, ragged_paged_attention, write_kv
 from pallas_kernels.kv_quant import ScaledCache, fake_quantize_kv, rotate_heads
+from pallas_kernels.validation import cache_sizes
 
 
 class _Model:
@@ -339,8 +340,7 @@ def forward_paged(
     md = {w: prepare_attention_metadata(
         batch.seq_lens, tables[w], batch.query_start_loc, batch.num_seqs,
         num_tokens=num_tokens, num_q_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
-        block_size=kv_cache[0].shape[3 if kv_layout == "head_major" else 2], backend=attention_backend,
-        sliding_window=w,
+        block_size=cache_sizes(kv_cache[0].shape, kv_layout).block_size, backend=attention_backend, sliding_window=w,
         head_dim=config.head_dim) for w in windows}
 
     # The dtype q, k, v are rounded to: the cache's, or the model's for a uint16 (bits) cache and

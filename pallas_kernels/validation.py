@@ -41,11 +41,12 @@ def kv_layout_for(backend: str) -> str:
     return "head_major" if backend == "xla" else "token_major"
 
 
-def check_kv_layout(kv_layout, backend: str) -> None:
-    """kv_layout must be one of KV_LAYOUTS, and "head_major" is the xla path's."""
+def check_kv_layout(kv_layout, backend: str | None = None) -> None:
+    """kv_layout must be one of KV_LAYOUTS, and "head_major" is the xla path's (when a backend
+    is given)."""
     if kv_layout not in KV_LAYOUTS:
         raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}; got {kv_layout!r}")
-    if kv_layout == "head_major" and backend != "xla":
+    if kv_layout == "head_major" and backend not in (None, "xla"):
         raise ValueError(f"kv_layout='head_major' is the xla path's page layout; {backend} reads "
                          "token_major pages [num_blocks, block_size, Hkv, D]")
 
@@ -204,7 +205,7 @@ def check_cache(k_cache, v_cache, layer, *, k_name="k_cache", v_name="v_cache",
                 f"a single-layer {k_name} [num_blocks, {page}, head_dim] takes "
                 f"layer=None; got layer={layer!r} ({shapes})"
             )
-        return _sizes(1, *np.shape(k_cache), kv_layout=kv_layout)
+        return cache_sizes((1, *np.shape(k_cache)), kv_layout)
     if ndim != 5:
         raise ValueError(
             f"{k_name} must be [num_layers, num_blocks, {page}, head_dim] "
@@ -224,10 +225,12 @@ def check_cache(k_cache, v_cache, layer, *, k_name="k_cache", v_name="v_cache",
         raise ValueError(
             f"layer must be a Python int or an integer scalar array; got {layer!r} ({shapes})"
         )
-    return _sizes(*np.shape(k_cache), kv_layout=kv_layout)
+    return cache_sizes(np.shape(k_cache), kv_layout)
 
 
-def _sizes(num_layers, num_blocks, a, b, head_dim, *, kv_layout) -> CacheShapes:
+def cache_sizes(shape, kv_layout: str) -> CacheShapes:
+    """The sizes of a stacked cache of `shape` [L, num_blocks, page...] in `kv_layout` (no checks)."""
+    num_layers, num_blocks, a, b, head_dim = shape
     block_size, heads = (b, a) if kv_layout == "head_major" else (a, b)
     return CacheShapes(num_layers, num_blocks, block_size, heads, head_dim, kv_layout)
 

@@ -40,9 +40,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from models import kv_bytes
 from models.config import ModelConfig
-from pallas_kernels import KV_LAYOUTS
 from pallas_kernels.kv_quant import ScaledCache, allocate_scaled
-from pallas_kernels.validation import CacheShapes
+from pallas_kernels.validation import CacheShapes, check_kv_layout
 from scheduler.sliding_window import num_blocks_needed
 
 if TYPE_CHECKING:
@@ -226,8 +225,7 @@ def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dty
 
 def kv_shape(config: ModelConfig, num_layers: int, num_blocks: int, block_size: int, kv_layout: str) -> tuple:
     """One cache array's shape: [L, blocks, block_size, Hkv, D], or head-major [L, blocks, Hkv, block_size, D]."""
-    if kv_layout not in KV_LAYOUTS:
-        raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}; got {kv_layout!r}")
+    check_kv_layout(kv_layout)
     return CacheShapes(num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, kv_layout).stacked_shape
 
 
