@@ -42,11 +42,12 @@ Walkthrough of one layer's call:
      gathered (BUILD_NOTES.md "CPU attention forms", stop 41: the fixed workload at 32
      requests 1.27x faster in bfloat16, 1.09x in float32).
   4. out = acc / l, gathered back to [T, Hq, D]; padding tokens get zeros.
-One-token rows beyond ROW_GROUP run in groups of ROW_GROUP rows, a loop over the groups up to the
-last real row (a device count), each group's page loop up to its own longest context: a bucket's
-padded sequences (S = 64 for a step of 16 decodes and a prompt chunk) cost nothing, where one
-vectorized loop over every row gathered pages for all 64 (BUILD_NOTES.md "CPU attention forms",
-stop 42: that step's attention 1.7x faster).
+More than ROW_LOOP_MAX one-token rows run in groups of ROW_GROUP rows, a loop over the groups up
+to the last real row (a device count), each group's page loop up to its own longest context: a
+bucket's padded sequences (S = 64 for a step of 16 decodes and a prompt chunk) cost nothing, where
+one vectorized loop over every row gathered pages for all 64 (BUILD_NOTES.md "CPU attention
+forms", stop 42: that step's attention 1.7x faster). Up to ROW_LOOP_MAX rows run in one loop: a
+32-row decode step as two groups of 16 was 4-6 % slower in bfloat16 (stop 50).
 """
 
 import jax
@@ -57,6 +58,7 @@ from pallas_kernels.kv_quant import ScaledCache, dequantize_kv
 from pallas_kernels.kv_write import as_bits, from_bits
 
 ROW_GROUP = 16  # one-token rows per group of the row loop (_row_groups)
+ROW_LOOP_MAX = 32  # the most one-token rows run in one page loop, without groups
 
 
 def prepare_loop(
@@ -263,7 +265,7 @@ def blocks_attention(q, kv: PagedKV, md: metadata.AttentionMetadata, *, sm_scale
     row_ok = rows[None, :] < blocks.q_lens[:, None]  # [NB, bq]
     options = dict(pages_per_step=md.pages_per_step, sliding_window=sliding_window, soft_cap=soft_cap,
                    score_scale=score_scale)
-    if bq == 1 and nb > ROW_GROUP:
+    if bq == 1 and nb > ROW_LOOP_MAX:
         out = _row_groups(qb, md, row_pos, row_ok, kv, **options)
     else:
         out = page_loop(qb, md.tables, md.first_step, md.last_step, row_pos, row_ok, kv, **options)

@@ -75,31 +75,46 @@ def test_split_only_chunks_and_a_chunk_ending_the_token_axis():
     np.testing.assert_allclose(got, want, **tolerance(case))
 
 
-# More one-token rows than one row group (xla.ROW_GROUP): the rows run group by group, each up to
-# its own longest context, and the groups past the last real row not at all. Decodes beside
-# prefill chunks (rows that are not rows sit inside the groups), a bucket's padded sequences
-# (S = 48 for 21 sequences), a group with nothing real after a real one, a sliding window.
+# More sequence slots than xla.ROW_LOOP_MAX: the one-token rows run in groups of xla.ROW_GROUP,
+# each up to its own longest context, and the groups past the last real row not at all. Decodes
+# beside prefill chunks (rows that are not rows sit inside the groups), a bucket's padded
+# sequences (S = 48 for 21 sequences), a group with nothing real after a real one, a sliding window.
 ROW_GROUP_CASES = [
     Case("rows_and_chunks_padded", q_lens=(1,) * 9 + (5,) + (1,) * 9 + (12, 1), kv_lens=tuple(
         range(3, 30, 3)) + (40,) + tuple(range(70, 2, -8)) + (12, 90), pad_seqs=27, pad_tokens=7,
         num_kv_heads=2, group=2),
     Case("rows_far_apart", q_lens=(1,) + (6,) * 17 + (1,), kv_lens=(33,) + (6,) * 17 + (120,),
-         pad_seqs=13, num_kv_heads=1, group=3, seed=2),
-    Case("rows_window", q_lens=(1,) * 20, kv_lens=tuple(5 + 7 * i for i in range(20)), pad_seqs=12,
+         pad_seqs=14, num_kv_heads=1, group=3, seed=2),
+    Case("rows_window", q_lens=(1,) * 20, kv_lens=tuple(5 + 7 * i for i in range(20)), pad_seqs=13,
          num_kv_heads=2, group=1, sliding_window=24, seed=4),
-    Case("rows_bf16", q_lens=(1,) * 17, kv_lens=tuple(range(40, 57)), num_kv_heads=2, group=2,
-         dtype="bfloat16", seed=5),
+    Case("rows_bf16", q_lens=(1,) * 17, kv_lens=tuple(range(40, 57)), pad_seqs=16, num_kv_heads=2,
+         group=2, dtype="bfloat16", seed=5),
 ]
 
 
 @pytest.mark.parametrize("case", ROW_GROUP_CASES, ids=lambda c: c.name)
 @pytest.mark.parametrize("form_options", [dict(form="split"), dict(form="loop", block_q=1)], ids=("split", "loop1"))
 def test_row_groups_match_oracle(case, form_options):
+    assert len(case.q_lens) + case.pad_seqs > xla.ROW_LOOP_MAX
     assert sum(q == 1 for q in case.q_lens) > xla.ROW_GROUP or case.name == "rows_far_apart"
     got, want, _, batch = _attend(case, case_options(case), **form_options)
     np.testing.assert_allclose(got, want, **tolerance(case))
     live = int(batch["query_start_loc"][int(batch["num_seqs"])])
     assert not np.any(got[live:]), "padding tokens must be zeros"
+
+
+@pytest.mark.parametrize("slots, grouped", [(xla.ROW_LOOP_MAX, False), (xla.ROW_LOOP_MAX + 1, True)])
+def test_rows_run_in_groups_only_past_row_loop_max(monkeypatch, slots, grouped):
+    """Up to ROW_LOOP_MAX sequence slots of one-token rows run in one page loop; one more, in
+    groups (both against the oracle)."""
+    calls = []
+    row_groups = xla._row_groups
+    monkeypatch.setattr(xla, "_row_groups", lambda *a, **k: calls.append(1) or row_groups(*a, **k))
+    case = Case("slots", q_lens=(1,) * 20, kv_lens=tuple(3 + 5 * i for i in range(20)),
+                pad_seqs=slots - 20, num_kv_heads=2, group=2, seed=6)
+    got, want, _, _ = _attend(case, case_options(case), form="split")
+    np.testing.assert_allclose(got, want, **tolerance(case))
+    assert bool(calls) == grouped
 
 
 def test_rule_is_static_and_every_bucket_compiles_once():
