@@ -60,6 +60,7 @@ class EngineConfig:
     prompt_scoring_bucket: bool = True  # compile the largest token bucket once more with a logit row per token, for the steps that score a prompt (prompt_logprobs; echo with logprobs): a scored prompt then advances by its share of the token budget under load; False: one executable fewer, and a scored prompt gets only the logit rows the other requests leave
     precompile: bool = True  # compile every bucket at start-up
     background_compile: bool = False  # with precompile: compile the smallest and largest buckets at start-up and the rest on a background thread (steps pad to a compiled bucket meanwhile); make serve turns it on
+    cpu_product_form: str = "measured"  # on the CPU, the form of a float product of 2+ rows (models/weight_first.py): "measured" (both forms timed at start-up on the served weights for each bucket row count up to 64, kept per machine beside the compilation cache; models under 64 MiB of product weights keep the static rule), "static" (float32 weight-first from 2 rows, bfloat16 from 2 to 64), "weight_first" or "plain" (engine/step/product_forms.py)
     cpu_reuse_freed_memory: bool | None = None  # on the CPU: glibc malloc keeps the memory a step frees for the next (its mmap and trim thresholds raised to 1 GiB, process-wide; engine/step/host_memory.py), so XLA:CPU's per-step temporaries above 32 MiB are not mapped and zeroed afresh every step; None: where glibc is present, True: an error where it is not, False: the allocator as the process set it
     warmup: bool = True  # run each compiled bucket once on an all-padding step before any request does (XLA:CPU's first run of an executable costs ~0.3 s more than the next); buckets compiled in the background warm while the server is idle; False: the first step in each bucket pays it
     tensor_parallel_size: int = 1  # devices one model is split over (the mesh's "model" axis)
@@ -87,6 +88,7 @@ class EngineConfig:
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _choice("policy", self.policy, POLICIES)
         _choice("kv_allocation", self.kv_allocation, KV_ALLOCATIONS)
+        _choice("cpu_product_form", self.cpu_product_form, CPU_PRODUCT_FORMS)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         if self.max_model_len is not None:
@@ -279,6 +281,7 @@ SCAN_LAYERS_DEFAULT = {"cpu": True, "gpu": False, "tpu": True}
 # the scan keeps per-layer buffers; XLA:TPU reads a slice in place and keeps the stacked scan.
 STACK_LAYER_WEIGHTS = {"cpu": False, "gpu": True, "tpu": True}
 LAYER_LOOPS = ("unrolled", "stacked", "switch")
+CPU_PRODUCT_FORMS = ("measured", "static", "weight_first", "plain")  # engine/step/product_forms.py
 # Quantized weights (models/quant.py): the smallest product (rows) that also quantizes its
 # activations, per platform. CPU, measured (BUILD_NOTES.md "Quantization"): XLA:CPU converts int8
 # weights inside a one-row dot at the speed of reading them, but from a few rows on the converted

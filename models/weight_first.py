@@ -25,12 +25,21 @@ of 15 interleaved rounds; x . w^T -> weight-first): 2 rows 24.1 -> 15.3 ms, 8 ro
 256 rows 61.2 -> 78.0, so larger products keep x . w^T. Quantized weights (models/quant.py) keep
 their own forms (int8 weight-first was 7-8x slower).
 
+Which form is faster depends on the machine: float32 at 32 rows was 1.38x faster weight-first on
+stop 48's AMD EPYC and 1.19x slower on stop 50's Intel Xeon. So the rule above is the static one;
+an engine on the CPU measures both forms on its own weights at start-up
+(engine/step/product_forms.py) and lowers its buckets inside `product_forms(table)`, whose
+entries (dtype, rows) -> weight-first or not take precedence over the rule.
+
 Every platform but the CPU takes the plain product (`jax.lax.platform_dependent`: a compile for a
 TPU or GPU on a CPU host gets theirs). The arithmetic is the same dot products, summed in another
 order: float32 rounding differs, nothing else.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
 
 import jax
 import jax.numpy as jnp
@@ -52,14 +61,42 @@ def check_out_major(spec: str, shape: tuple, kind: str) -> None:
 
 
 BF16_MAX_ROWS = 64  # the most rows a bfloat16 product runs weight-first (module docstring)
+FLOAT_DTYPES = ("float32", "bfloat16")  # the dtypes whose products have both forms
+
+# The forms being lowered: {(dtype name, rows): weight-first?} (measured or forced,
+# engine/step/product_forms.py), or None: the static rule. Set around a trace by `product_forms`.
+_FORMS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("product_forms", default=None)
+
+
+@contextlib.contextmanager
+def product_forms(table: dict | None):
+    """Within: a product of (dtype name, rows) in `table` takes the form it names (True:
+    weight-first, False: plain) instead of the static rule; None: the static rule."""
+    token = _FORMS.set(table)
+    try:
+        yield
+    finally:
+        _FORMS.reset(token)
+
+
+def static_rule(dtype, rows: int) -> bool:
+    """The built-in rule: float32 from 2 rows, bfloat16 from 2 to BF16_MAX_ROWS rows."""
+    return rows >= 2 and (dtype == jnp.float32 or (dtype == jnp.bfloat16 and rows <= BF16_MAX_ROWS))
 
 
 def takes_weight_first(spec: str, x: jax.Array, w: jax.Array) -> bool:
-    """Whether `weight_first_product` runs weight-first on the CPU: a 2-D weight in an out-major
-    product of 2 or more rows, float32, or bfloat16 up to BF16_MAX_ROWS rows."""
+    """Whether `weight_first_product` runs weight-first on the CPU: a 2-D float32 or bfloat16
+    weight in an out-major product of 2 or more rows, as the `product_forms` table being lowered
+    says for (dtype, rows), else as `static_rule` does."""
     if x.ndim != 2 or x.shape[0] < 2 or x.dtype != w.dtype or not out_major(spec, w.shape):
         return False
-    return w.dtype == jnp.float32 or (w.dtype == jnp.bfloat16 and x.shape[0] <= BF16_MAX_ROWS)
+    if jnp.dtype(w.dtype).name not in FLOAT_DTYPES:
+        return False
+    table = _FORMS.get()
+    key = (jnp.dtype(w.dtype).name, x.shape[0])
+    if table is not None and key in table:
+        return bool(table[key])
+    return static_rule(w.dtype, x.shape[0])
 
 
 def _weight_first(x, w):

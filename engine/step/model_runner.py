@@ -13,11 +13,10 @@
    input buffer (BatchBuilder; every StepInputs field is a view into it), moves it to the device
    in one transfer, and runs the bucket's executable. The KV cache and the table state are
    donated, so each layer's new K/V and each sampled token's count are written in place.
-3. The step returns one packed float32 array (see sampler.py); one device-to-host copy
-   gives every sampled id and its logprobs, read into a StepResult (step_result.py): per request, a list of
-   tokens and typed logprobs (TokenLogprobs). A row that verified d drafts (speculative
-   decoding, engine/spec_decode/) keeps its samples up to the first that differs from its draft,
-   and reports the other positions as num_rejected_tokens; the device counted the same ones.
+3. The step returns one packed float32 array (sampler.py); one device-to-host copy gives every
+   sampled id and its logprobs, read into a StepResult (step_result.py): per request, tokens and
+   typed logprobs (TokenLogprobs). A row that verified d drafts (engine/spec_decode/) keeps its
+   samples up to the first differing from its draft, the rest num_rejected_tokens (as counted).
 The runner never calls the scheduler or the engine back: everything it needs is in the output.
 """
 
@@ -73,11 +72,11 @@ class ModelRunner:
                  background_compile: bool = False, keep_hidden: bool = False,
                  executables: dict | None = None, lora=None, lora_method: str = "masked",
                  quantization: str | None = None, activation_rows: int | None = None,
-                 kv_cache_dtype: str = "auto", warmup: bool = False):
+                 kv_cache_dtype: str = "auto", warmup: bool = False, product_forms=None):
         """lora: engine/lora/slots.LoRASlots, the adapters' device slots (their buffers join the
         served weights as params["lora"]; the step's products per token use `lora_method`,
         models/lora.py); None: no adapters. warmup: run every bucket compiled at start-up once
-        (`warm_up`)."""
+        (`warm_up`). product_forms: served params -> the CPU's product form table (None: static)."""
         self.model_config = model_config
         self.layer_loop = layer_loop  # engine/config.py LAYER_LOOPS
         self.shapes = shapes
@@ -113,6 +112,7 @@ class ModelRunner:
             self.params = params
             self.kv_cache = allocate_kv_cache(placement.layout.padded, cache_blocks, shapes.block_size, dtype,
                                               sharding=placement.kv_sharding(self.kv_layout), **cache)
+        self.product_forms = product_forms(self.params) if product_forms is not None else None
         self.lora = lora
         if lora is not None:
             self.params = {**self.params, "lora": lora.buffers}
@@ -271,7 +271,7 @@ class ModelRunner:
     def _lower(self, bucket: Bucket):
         formats = (self.cache_formats or "auto") if self.pins_cache else None
         return lower_bucket(self._step, self.builder, bucket, self._abstract_state, self._input_sharding,
-                            cache_formats=formats)
+                            cache_formats=formats, product_forms=self.product_forms)
 
     @functools.cached_property
     def _abstract_state(self):

@@ -31,6 +31,7 @@ from engine.step.placement import Placement
 from engine.step.request_table import allocate_table_state
 from engine.step.sampler import sample
 from engine.step.step_inputs import BatchBuilder, StepLayout
+from models import weight_first
 from models.config import ModelConfig
 from models.llama import forward_paged
 from models.quant import hold_code_sums, quantize_params
@@ -163,11 +164,12 @@ def pin_cache_layout(kv_cache, compiled):
 
 
 def lower_bucket(step, builder: BatchBuilder, bucket: Bucket, abstract_state, input_sharding=None,
-                 cache_formats=None):
+                 cache_formats=None, product_forms: dict | None = None):
     """The bucket's step lowered against (params, kv_cache, table) shapes; cache and table donated.
     cache_formats (`pins_cache_layout`): the cache's input and output formats, "auto"
     (`auto_cache_formats`) or the concrete ones a compile chose (equal in and out: the donated
-    cache stays in place)."""
+    cache stays in place). product_forms: the CPU's float product forms by (dtype, rows)
+    (engine/step/product_forms.py), None: the static rule."""
     if isinstance(cache_formats, str) and cache_formats == "auto":
         cache_formats = auto_cache_formats(abstract_state[1])
     layout = builder.layout(bucket.padded_tokens, bucket.padded_seqs, bucket.padded_logits)
@@ -180,7 +182,8 @@ def lower_bucket(step, builder: BatchBuilder, bucket: Bucket, abstract_state, in
     jitted = jax.jit(functools.partial(step, layout=layout, **lora), donate_argnums=(1, 2), **pinned)
     flat = jax.ShapeDtypeStruct((layout.size,), np.int32, sharding=input_sharding)
     mask = jax.ShapeDtypeStruct(layout.mask.shape, np.int32, sharding=input_sharding)
-    return jitted.lower(*abstract_state, flat, mask)
+    with weight_first.product_forms(product_forms):  # traced here, in whichever thread compiles
+        return jitted.lower(*abstract_state, flat, mask)
 
 
 def _step(params, kv_cache, table, flat, token_mask, *, layout: StepLayout, forward, num_logprobs,

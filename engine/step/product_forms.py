@@ -1,0 +1,196 @@
+"""On the CPU, the form each float product of a bucket takes, measured on the machine.
+
+XLA:CPU runs a float32 or bfloat16 out-major product x . w^T of 2+ rows either as written
+(YNNPACK packs the weight on every call) or weight-first, y^T = w . x^T (it packs the rows of
+activations instead; models/weight_first.py). Which is faster depends on the machine, the dtype
+and the row count: float32 at 32 rows was 1.38x faster weight-first on stop 48's AMD EPYC and
+1.19x slower on stop 50's Intel Xeon, where 8 rows were 1.38x faster weight-first (BUILD_NOTES.md
+"CPU attention forms", stop 50). `EngineConfig.cpu_product_form` says how an engine on the CPU
+chooses:
+
+  measured      (default) at start-up, for every row count from 2 to MEASURE_MAX_ROWS that a
+                bucket's products run (its tokens, its logit rows), both forms of the served
+                model's own product weights in a chain (every layer's products, then the lm_head)
+                are timed, and the faster one is lowered. Only where those weights are at least
+                MEASURE_MIN_BYTES: a smaller model's products run from the caches, and its
+                buckets keep the static rule (so do row counts past MEASURE_MAX_ROWS, and the
+                rest once the time budget is spent). Each measurement is kept in
+                `product_forms.json` beside the compilation cache folder in use, per machine, jax version,
+                XLA_FLAGS, dtype, weight shapes and rows: a restart reads it.
+  static        models/weight_first.py's rule (float32 from 2 rows, bfloat16 from 2 to 64).
+  weight_first  every float product of 2+ rows weight-first.
+  plain         every float product as written.
+
+The forms compute the same dot products summed in another order: float32 rounding differs,
+nothing else. Other platforms, and an engine on a mesh, lower the plain product whatever this
+says (weight_first_product is CPU-only).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.layer_loops import SERVED_PRODUCTS
+from models.weight_first import FLOAT_DTYPES, out_major, static_rule, weight_first_product
+
+logger = logging.getLogger("jaxserve")
+
+MEASURE_MAX_ROWS = 64  # row counts past this keep the static rule (prefill: both forms near)
+MEASURE_MIN_BYTES = 64 << 20  # smaller models keep the static rule (their weights stay cached)
+BUDGET_SECONDS = 30.0  # measuring stops once it has taken this long; the rest keep the rule
+REPEATS = 5  # timed calls of each form per row count, alternated, after one untimed call each
+SPEC = "te,ne->tn"  # the out-major product every measured weight takes
+
+_SEEN: dict[str, dict] = {}  # measurements made or read by this process, by key
+
+
+def product_weights(params: dict) -> list[jax.Array]:
+    """The served model's 2-D float out-major product weights in step order: every layer's
+    products (the CPU's per-layer buffers, models/layer_loops.py SERVED_PRODUCTS), then the
+    lm_head (an untied output_proj, or the tied embedding). Empty for stacked layers."""
+    layers = params.get("layers")
+    if not isinstance(layers, list):
+        return []
+    weights = [layer[name] for layer in layers for name in SERVED_PRODUCTS
+               if isinstance(layer.get(name), jax.Array) and layer[name].ndim == 2]
+    if isinstance(params.get("output_proj"), jax.Array):
+        weights.append(params["output_proj"])
+    elif "lm_head" not in params and isinstance(params.get("embed"), jax.Array):
+        weights.append(params["embed"])
+    return [w for w in weights if jnp.dtype(w.dtype).name in FLOAT_DTYPES and out_major(SPEC, w.shape)]
+
+
+def _chain(weight_first: bool):
+    """jit(weights, inputs by width) -> a scalar: each weight's product in turn, each fed a value
+    of the one before (so none runs early or is skipped)."""
+    def run(weights, xs):
+        s = jnp.zeros((), jnp.float32)
+        for w in weights:
+            x = xs[w.shape[1]] + (s * 0.0).astype(w.dtype)
+            if weight_first:
+                y = weight_first_product(SPEC, x, w)
+            else:
+                y = jnp.einsum(SPEC, x, w, preferred_element_type=jnp.float32)
+            s = y[0, 0]
+        return s
+
+    return jax.jit(run)
+
+
+def measure(weights: list[jax.Array], rows: int, repeats: int = REPEATS) -> tuple[float, float]:
+    """Median milliseconds of the chain of `weights` at `rows` rows: (weight-first, plain)."""
+    dtype = weights[0].dtype
+    xs = {i: jnp.full((rows, i), 0.01, dtype) for i in sorted({w.shape[1] for w in weights})}
+    calls = [_chain(form).lower(weights, xs).compile() for form in (True, False)]
+    times: list[list[float]] = [[], []]
+    for call in calls:
+        call(weights, xs).block_until_ready()  # XLA:CPU's first run of an executable costs more
+    for _ in range(repeats):
+        for form, call in enumerate(calls):
+            start = time.perf_counter()
+            call(weights, xs).block_until_ready()
+            times[form].append((time.perf_counter() - start) * 1e3)
+    return float(np.median(times[0])), float(np.median(times[1]))
+
+
+def _machine() -> str:
+    """What a measurement depends on besides the model: the CPU, jax and XLA's flags."""
+    name = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    return "|".join([name, str(os.cpu_count()), jax.__version__, os.environ.get("XLA_FLAGS", "")])
+
+
+def _key(weights: list[jax.Array], rows: int) -> str:
+    shapes = [(jnp.dtype(w.dtype).name, *w.shape) for w in weights]
+    text = json.dumps([_machine(), shapes, rows])
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def _read(path: str | None) -> dict:
+    if not path or not os.path.exists(path):
+        return {}
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        logger.warning("jaxserve: ignoring unreadable product form measurements %s", path)
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write(path: str | None, entries: dict) -> None:
+    if not path or not entries:
+        return
+    folder = os.path.dirname(path) or "."
+    try:
+        os.makedirs(folder, exist_ok=True)
+        data = {**_read(path), **entries}
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".product_forms")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)  # whole or not at all, also beside another process
+    except OSError as e:
+        logger.warning("jaxserve: could not keep product form measurements in %s: %s", path, e)
+
+
+def measurements_path(compilation_cache_dir: str | None) -> str | None:
+    """product_forms.json beside the compilation cache folder in use (None, no cache: kept in this
+    process only)."""
+    if not compilation_cache_dir:
+        return None
+    return os.path.join(os.path.dirname(os.path.abspath(compilation_cache_dir)), "product_forms.json")
+
+
+def resolve(form: str, params: dict, rows, *, path: str | None = None, min_bytes: int = MEASURE_MIN_BYTES,
+            budget_seconds: float = BUDGET_SECONDS) -> dict | None:
+    """The table models/weight_first.product_forms lowers a CPU engine's buckets with: {(dtype
+    name, rows): weight-first?} for `rows` (the buckets' token and logit row counts), or None for
+    the static rule. `form`: EngineConfig.cpu_product_form (module docstring)."""
+    if form not in ("measured", "static", "weight_first", "plain"):
+        raise ValueError(f"cpu_product_form must be one of measured, static, weight_first, plain; got {form!r}")
+    weights = product_weights(params)
+    if form == "static" or not weights:
+        return None
+    dtype = jnp.dtype(weights[0].dtype).name
+    weights = [w for w in weights if jnp.dtype(w.dtype).name == dtype]
+    counts = sorted({int(r) for r in rows if int(r) >= 2})
+    if form in ("weight_first", "plain"):
+        return {(dtype, r): form == "weight_first" for r in counts}
+    if sum(w.size * w.dtype.itemsize for w in weights) < min_bytes:
+        return None
+    stored, new, table, start, report = _read(path), {}, {}, time.perf_counter(), []
+    for r in (r for r in counts if r <= MEASURE_MAX_ROWS):
+        key = _key(weights, r)
+        entry = _SEEN.get(key) or stored.get(key)
+        if entry is None:
+            if time.perf_counter() - start > budget_seconds:
+                logger.info("jaxserve: product form budget (%.0f s) spent: %d rows keep the static rule",
+                            budget_seconds, r)
+                continue
+            ms_first, ms_plain = measure(weights, r)
+            entry = new[key] = {"rows": r, "dtype": dtype, "weight_first_ms": round(ms_first, 3),
+                                "plain_ms": round(ms_plain, 3), "weight_first": ms_first < ms_plain}
+        _SEEN[key] = entry
+        table[(dtype, r)] = weight_first = bool(entry["weight_first"])
+        report.append(f"{r} rows {'weight-first' if weight_first else 'plain'} ({entry['weight_first_ms']:.1f} "
+                      f"against {entry['plain_ms']:.1f} ms; static rule: "
+                      f"{'weight-first' if static_rule(jnp.dtype(dtype), r) else 'plain'})")
+    _write(path, new)
+    if table:
+        logger.info("jaxserve: CPU product forms, %s, %s: %s", dtype,
+                    f"measured in {time.perf_counter() - start:.1f} s" if new else "as measured before",
+                    "; ".join(report))
+    return table or None
