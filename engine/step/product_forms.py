@@ -15,15 +15,15 @@ chooses:
                 MEASURE_MIN_BYTES: a smaller model's products run from the caches, and its
                 buckets keep the static rule (so do row counts past MEASURE_MAX_ROWS, and the
                 rest once the time budget is spent). Each measurement is kept in
-                `product_forms.json` beside the compilation cache folder in use, per machine, jax version,
-                XLA_FLAGS, dtype, weight shapes and rows: a restart reads it.
+                `product_forms.json` beside the compilation cache folder in use, per machine,
+                jax version, XLA_FLAGS, dtype, weight shapes and rows: a restart reads it.
   static        models/weight_first.py's rule (float32 from 2 rows, bfloat16 from 2 to 64).
   weight_first  every float product of 2+ rows weight-first.
   plain         every float product as written.
 
 The forms compute the same dot products summed in another order: float32 rounding differs,
-nothing else. Other platforms, and an engine on a mesh, lower the plain product whatever this
-says (weight_first_product is CPU-only).
+nothing else. Other platforms lower the plain product whatever this says (weight_first_product
+is CPU-only); an engine on a mesh is not measured and keeps the static rule.
 """
 
 from __future__ import annotations
