@@ -219,7 +219,7 @@ def build_parts(config: EngineConfig, *, progress: bool = True, mesh=None, loade
                          quantization=None if config.quantization == "gguf" else config.quantization,  # gguf: loaded quantized
                          activation_rows=resolve_activation_rows(config, platform),
                          kv_cache_dtype=config.kv_cache_dtype, warmup=config.warmup,
-                         product_forms=cpu_product_forms(config, shapes) if platform == "cpu" and placement is None else None)
+                         product_forms=cpu_product_forms(config, shapes, executables) if platform == "cpu" and placement is None else None)
     proposer = None
     if spec is not None and spec.method == "draft_model":
         proposer = build_draft_proposer(config, shapes, loaded, dtype=dtype, backend=backend,
@@ -270,10 +270,12 @@ def build_draft_proposer(config: EngineConfig, shapes: RunnerShapes, target, *, 
     return DraftModelProposer(runner, spec.num_speculative_tokens)
 
 
-def cpu_product_forms(config: EngineConfig, shapes: RunnerShapes):
-    """served params -> the CPU's product form table for every bucket's token and logit row count
-    (engine/step/product_forms.py; measured, or read from an earlier start's measurements)."""
-    rows = sorted({n for b in shapes.all_buckets() for n in (b.padded_tokens, b.padded_logits)})
+def cpu_product_forms(config: EngineConfig, shapes: RunnerShapes, executables: dict | None = None):
+    """served params -> the CPU's product form table for the token and logit row counts of every
+    bucket that compiles here, not loaded from `executables` (engine/step/product_forms.py;
+    measured, or read from an earlier start's measurements)."""
+    compiled = [b for b in shapes.all_buckets() if b not in (executables or {})]
+    rows = sorted({n for b in compiled for n in (b.padded_tokens, b.padded_logits)})
     path = product_forms.measurements_path(jax.config.jax_compilation_cache_dir or None)  # the folder in use
     return lambda params: product_forms.resolve(config.cpu_product_form, params, rows, path=path)
 

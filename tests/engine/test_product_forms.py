@@ -99,3 +99,20 @@ def test_an_engine_lowers_its_buckets_in_the_form_it_was_given():
     assert runner.product_forms == {("float32", 8): False}
     text = runner._lower(runner.shapes.all_buckets()[-1]).as_text()
     assert "optimization_barrier" not in text  # the static rule would run the 8-row products weight-first
+
+
+def test_only_the_buckets_compiled_here_are_measured(monkeypatch):
+    """Buckets loaded from saved executables (EngineConfig.load_executables) are not compiled, so
+    their row counts are not measured."""
+    from engine.core.builder import cpu_product_forms
+    from engine.step.buckets import RunnerShapes
+
+    shapes = RunnerShapes(token_buckets=(1, 8, 32), seq_buckets=(1, 8), max_blocks_per_seq=4, num_blocks=16,
+                          block_size=16, num_logprobs=2, sample_vocab_size=40, prompt_scoring=False)
+    asked = []
+    monkeypatch.setattr(product_forms, "resolve", lambda form, params, rows, **k: asked.append(rows))
+    buckets = shapes.all_buckets()
+    cpu_product_forms(EngineConfig(), shapes)({})
+    cpu_product_forms(EngineConfig(), shapes, {b: None for b in buckets if b.padded_tokens != 8})({})
+    cpu_product_forms(EngineConfig(), shapes, {b: None for b in buckets})({})
+    assert asked == [[1, 8, 32], [8], []]
