@@ -47,7 +47,7 @@ to the last real row (a device count), each group's page loop up to its own long
 bucket's padded sequences (S = 64 for a step of 16 decodes and a prompt chunk) cost nothing, where
 one vectorized loop over every row gathered pages for all 64 (BUILD_NOTES.md "CPU attention
 forms", stop 42: that step's attention 1.7x faster). Up to ROW_LOOP_MAX rows run in one loop: a
-32-row decode step as two groups of 16 was 4-6 % slower in bfloat16 (stop 50).
+32-row decode step as two groups of 16 was 3-6 % slower in bfloat16 (stop 50).
 """
 
 import jax
