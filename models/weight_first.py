@@ -90,9 +90,7 @@ def takes_weight_first(spec: str, x: jax.Array, w: jax.Array) -> bool:
     says for (dtype, rows), else as `static_rule` does."""
     if x.ndim != 2 or x.shape[0] < 2 or x.dtype != w.dtype or not out_major(spec, w.shape):
         return False
-    if jnp.dtype(w.dtype).name not in FLOAT_DTYPES:
-        return False
-    table = _FORMS.get()
+    table = _FORMS.get()  # its keys are float dtypes only; static_rule refuses the others
     key = (jnp.dtype(w.dtype).name, x.shape[0])
     if table is not None and key in table:
         return bool(table[key])

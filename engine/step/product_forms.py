@@ -28,6 +28,7 @@ is CPU-only); an engine on a mesh is not measured and keeps the static rule.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -39,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from engine.config import CPU_PRODUCT_FORMS
 from models.layer_loops import SERVED_PRODUCTS
 from models.weight_first import FLOAT_DTYPES, out_major, static_rule, weight_first_product
 
@@ -102,6 +104,7 @@ def measure(weights: list[jax.Array], rows: int, repeats: int = REPEATS) -> tupl
     return float(np.median(times[0])), float(np.median(times[1]))
 
 
+@functools.cache
 def _machine() -> str:
     """What a measurement depends on besides the model: the CPU, jax and XLA's flags."""
     name = ""
@@ -159,8 +162,8 @@ def resolve(form: str, params: dict, rows, *, path: str | None = None, min_bytes
     """The table models/weight_first.product_forms lowers a CPU engine's buckets with: {(dtype
     name, rows): weight-first?} for `rows` (the buckets' token and logit row counts), or None for
     the static rule. `form`: EngineConfig.cpu_product_form (module docstring)."""
-    if form not in ("measured", "static", "weight_first", "plain"):
-        raise ValueError(f"cpu_product_form must be one of measured, static, weight_first, plain; got {form!r}")
+    if form not in CPU_PRODUCT_FORMS:
+        raise ValueError(f"cpu_product_form must be one of {', '.join(CPU_PRODUCT_FORMS)}; got {form!r}")
     weights = product_weights(params)
     if form == "static" or not weights:
         return None
