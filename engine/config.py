@@ -61,6 +61,7 @@ class EngineConfig:
     precompile: bool = True  # compile every bucket at start-up
     background_compile: bool = False  # with precompile: compile the smallest and largest buckets at start-up and the rest on a background thread (steps pad to a compiled bucket meanwhile); make serve turns it on
     cpu_product_form: str = "measured"  # on the CPU, the form of a float product of 2+ rows (models/weight_first.py): "measured" (both forms timed at start-up on the served weights for each bucket row count up to 64, kept per machine beside the compilation cache; models under 64 MiB of product weights keep the static rule), "static" (float32 weight-first from 2 rows, bfloat16 from 2 to 64), "weight_first" or "plain" (engine/step/product_forms.py)
+    cpu_vector_width: str = "auto"  # on the CPU, the vector width XLA:CPU's own loops prefer (its xla_cpu_prefer_vector_width, given to each step's compile): "auto" (512 where the CPU has AVX-512, measured: the one-row int8 step 1.35x faster; elsewhere XLA's default), "256" or "512" (engine/step/cpu_compile.py)
     cpu_reuse_freed_memory: bool | None = None  # on the CPU: glibc malloc keeps the memory a step frees for the next (its mmap and trim thresholds raised to 1 GiB, process-wide; engine/step/host_memory.py), so XLA:CPU's per-step temporaries above 32 MiB are not mapped and zeroed afresh every step; None: where glibc is present, True: an error where it is not, False: the allocator as the process set it
     warmup: bool = True  # run each compiled bucket once on an all-padding step before any request does (XLA:CPU's first run of an executable costs ~0.3 s more than the next); buckets compiled in the background warm while the server is idle; False: the first step in each bucket pays it
     tensor_parallel_size: int = 1  # devices one model is split over (the mesh's "model" axis)
@@ -89,6 +90,9 @@ class EngineConfig:
         _choice("policy", self.policy, POLICIES)
         _choice("kv_allocation", self.kv_allocation, KV_ALLOCATIONS)
         _choice("cpu_product_form", self.cpu_product_form, CPU_PRODUCT_FORMS)
+        if self.cpu_vector_width in (256, 512) and not isinstance(self.cpu_vector_width, bool):  # as a number
+            object.__setattr__(self, "cpu_vector_width", str(self.cpu_vector_width))
+        _choice("cpu_vector_width", self.cpu_vector_width, CPU_VECTOR_WIDTHS)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         if self.max_model_len is not None:
@@ -282,6 +286,7 @@ SCAN_LAYERS_DEFAULT = {"cpu": True, "gpu": False, "tpu": True}
 STACK_LAYER_WEIGHTS = {"cpu": False, "gpu": True, "tpu": True}
 LAYER_LOOPS = ("unrolled", "stacked", "switch")
 CPU_PRODUCT_FORMS = ("measured", "static", "weight_first", "plain")  # engine/step/product_forms.py
+CPU_VECTOR_WIDTHS = ("auto", "256", "512")  # engine/step/cpu_compile.py
 # Quantized weights (models/quant.py): the smallest product (rows) that also quantizes its
 # activations, per platform. CPU, measured (BUILD_NOTES.md "Quantization"): XLA:CPU converts int8
 # weights inside a one-row dot at the speed of reading them, but from a few rows on the converted

@@ -20,7 +20,7 @@ from engine.config import (
     resolve_max_model_len,
     resolve_smoothing,
 )
-from engine.step import product_forms
+from engine.step import cpu_compile, product_forms
 from engine.step.buckets import (
     RunnerShapes,
     max_logit_rows,
@@ -219,7 +219,8 @@ def build_parts(config: EngineConfig, *, progress: bool = True, mesh=None, loade
                          quantization=None if config.quantization == "gguf" else config.quantization,  # gguf: loaded quantized
                          activation_rows=resolve_activation_rows(config, platform),
                          kv_cache_dtype=config.kv_cache_dtype, warmup=config.warmup,
-                         product_forms=cpu_product_forms(config, shapes, executables) if platform == "cpu" and placement is None else None)
+                         product_forms=cpu_product_forms(config, shapes, executables) if platform == "cpu" and placement is None else None,
+                         compiler_options=compiler_options(config, platform))
     proposer = None
     if spec is not None and spec.method == "draft_model":
         proposer = build_draft_proposer(config, shapes, loaded, dtype=dtype, backend=backend,
@@ -266,8 +267,14 @@ def build_draft_proposer(config: EngineConfig, shapes: RunnerShapes, target, *, 
                          interpret=config.interpret, layer_loop=resolve_layer_loop(config, platform),
                          precompile=config.precompile,
                          background_compile=config.background_compile, progress=progress,
-                         warmup=config.warmup)
+                         warmup=config.warmup, compiler_options=compiler_options(config, platform))
     return DraftModelProposer(runner, spec.num_speculative_tokens)
+
+
+def compiler_options(config: EngineConfig, platform: str) -> dict | None:
+    """XLA's options for a runner's compiles: on the CPU, the vector width its loops prefer
+    (engine/step/cpu_compile.py); elsewhere none."""
+    return cpu_compile.compiler_options(config.cpu_vector_width) if platform == "cpu" else None
 
 
 def cpu_product_forms(config: EngineConfig, shapes: RunnerShapes, executables: dict | None = None):
@@ -277,7 +284,9 @@ def cpu_product_forms(config: EngineConfig, shapes: RunnerShapes, executables: d
     compiled = [b for b in shapes.all_buckets() if b not in (executables or {})]
     rows = sorted({n for b in compiled for n in (b.padded_tokens, b.padded_logits)})
     path = product_forms.measurements_path(jax.config.jax_compilation_cache_dir or None)  # the folder in use
-    return lambda params: product_forms.resolve(config.cpu_product_form, params, rows, path=path)
+    options = compiler_options(config, "cpu")  # the chains compile as the buckets will
+    return lambda params: product_forms.resolve(config.cpu_product_form, params, rows, path=path,
+                                                compiler_options=options)
 
 
 def _model_name(spec: str, config_name: str) -> str:

@@ -300,7 +300,8 @@ class DraftHeadProposer:
     def _executable(self, s: int):
         if s not in self._compiled:
             rows = jax.ShapeDtypeStruct((s,), jnp.int32)
-            self._compiled[s] = self._fn.lower(self.params, self.shared, self._hidden_shape, rows, rows).compile()
+            lowered = self._fn.lower(self.params, self.shared, self._hidden_shape, rows, rows)
+            self._compiled[s] = lowered.compile(getattr(self.runner, "compiler_options", None))  # the target's
         return self._compiled[s]
 
     def propose(self, requests) -> list[list[int]]:

@@ -72,12 +72,13 @@ class ModelRunner:
                  background_compile: bool = False, keep_hidden: bool = False,
                  executables: dict | None = None, lora=None, lora_method: str = "masked",
                  quantization: str | None = None, activation_rows: int | None = None,
-                 kv_cache_dtype: str = "auto", warmup: bool = False, product_forms=None):
+                 kv_cache_dtype: str = "auto", warmup: bool = False, product_forms=None, compiler_options=None):
         """lora: engine/lora/slots.LoRASlots, the adapters' device slots (their buffers join the
         served weights as params["lora"]; the step's products per token use `lora_method`,
         models/lora.py); None: no adapters. warmup: run every bucket compiled at start-up once
-        (`warm_up`). product_forms: served params -> the CPU's product form table (None: static)."""
-        self.model_config = model_config
+        (`warm_up`). product_forms: served params -> the CPU's product form table (None: static);
+        compiler_options: XLA's, for each bucket's compile (engine/step/cpu_compile.py)."""
+        self.model_config, self.compiler_options = model_config, compiler_options
         self.layer_loop = layer_loop  # engine/config.py LAYER_LOOPS
         self.shapes = shapes
         self.dtype = dtype
@@ -263,7 +264,8 @@ class ModelRunner:
         return self._compiled[bucket]
 
     def _compile(self, bucket: Bucket):
-        compiled = self._loaded.pop(bucket) if bucket in self._loaded else self._lower(bucket).compile()
+        loaded = self._loaded.pop(bucket, None)
+        compiled = loaded if loaded is not None else self._lower(bucket).compile(self.compiler_options)
         if self.pins_cache and self.cache_formats is None:  # the cache, unwritten yet, remade in it
             self.cache_formats, self.kv_cache = program.pin_cache_layout(self.kv_cache, compiled)
         return compiled
@@ -329,13 +331,11 @@ class ModelRunner:
                 self._put(built.buffer), self._token_mask(bucket, built))
         host = np.asarray(jax.device_get(packed))
         self._ran.add(bucket)
-        if prof is not None:
-            t4 = time.perf_counter()
+        t4 = time.perf_counter() if prof is not None else 0.0
         self.num_real_tokens += out.num_batched_tokens
         self.num_padded_tokens += bucket.padded_tokens - out.num_batched_tokens
-        sampling = built.row_num_logits > 0
         num_kept = built.row_num_logits.copy()
-        result = read_result(out, host, built.row_num_logits, sampling, num_kept,
+        result = read_result(out, host, built.row_num_logits, built.row_num_logits > 0, num_kept,
                              num_logprobs=self.shapes.num_logprobs, verifies=self.shapes.logits_per_seq > 1,
                              wants_logprobs=self.table.wants_logprobs_np[built.row_slots])
         self.table.commit(built.row_slots, num_kept)

@@ -88,11 +88,13 @@ def _chain(weight_first: bool):
     return jax.jit(run)
 
 
-def measure(weights: list[jax.Array], rows: int, repeats: int = REPEATS) -> tuple[float, float]:
-    """Median milliseconds of the chain of `weights` at `rows` rows: (weight-first, plain)."""
+def measure(weights: list[jax.Array], rows: int, repeats: int = REPEATS,
+            compiler_options: dict | None = None) -> tuple[float, float]:
+    """Median milliseconds of the chain of `weights` at `rows` rows: (weight-first, plain),
+    compiled with `compiler_options` (the buckets', engine/step/cpu_compile.py)."""
     dtype = weights[0].dtype
     xs = {i: jnp.full((rows, i), 0.01, dtype) for i in sorted({w.shape[1] for w in weights})}
-    calls = [_chain(form).lower(weights, xs).compile() for form in (True, False)]
+    calls = [_chain(form).lower(weights, xs).compile(compiler_options) for form in (True, False)]
     times: list[list[float]] = [[], []]
     for call in calls:
         call(weights, xs).block_until_ready()  # XLA:CPU's first run of an executable costs more
@@ -116,9 +118,10 @@ def _machine() -> str:
     return "|".join([name, str(os.cpu_count()), jax.__version__, os.environ.get("XLA_FLAGS", "")])
 
 
-def _key(weights: list[jax.Array], rows: int) -> str:
+def _key(weights: list[jax.Array], rows: int, compiler_options: dict | None = None) -> str:
     shapes = [(jnp.dtype(w.dtype).name, *w.shape) for w in weights]
-    text = json.dumps([_machine(), shapes, rows])
+    options = sorted((compiler_options or {}).items())
+    text = json.dumps([_machine(), shapes, rows, *([options] if options else [])])  # (keys made before options stay)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
@@ -158,10 +161,11 @@ def measurements_path(compilation_cache_dir: str | None) -> str | None:
 
 
 def resolve(form: str, params: dict, rows, *, path: str | None = None, min_bytes: int = MEASURE_MIN_BYTES,
-            budget_seconds: float = BUDGET_SECONDS) -> dict | None:
+            budget_seconds: float = BUDGET_SECONDS, compiler_options: dict | None = None) -> dict | None:
     """The table models/weight_first.product_forms lowers a CPU engine's buckets with: {(dtype
     name, rows): weight-first?} for `rows` (the buckets' token and logit row counts), or None for
-    the static rule. `form`: EngineConfig.cpu_product_form (module docstring)."""
+    the static rule. `form`: EngineConfig.cpu_product_form (module docstring); compiler_options:
+    the buckets' (the chains are measured compiled as they will be)."""
     if form not in CPU_PRODUCT_FORMS:
         raise ValueError(f"cpu_product_form must be one of {', '.join(CPU_PRODUCT_FORMS)}; got {form!r}")
     weights = product_weights(params)
@@ -176,14 +180,14 @@ def resolve(form: str, params: dict, rows, *, path: str | None = None, min_bytes
         return None
     stored, new, table, start, report = _read(path), {}, {}, time.perf_counter(), []
     for r in (r for r in counts if r <= MEASURE_MAX_ROWS):
-        key = _key(weights, r)
+        key = _key(weights, r, compiler_options)
         entry = _SEEN.get(key) or stored.get(key)
         if entry is None:
             if time.perf_counter() - start > budget_seconds:
                 logger.info("jaxserve: product form budget (%.0f s) spent: %d rows keep the static rule",
                             budget_seconds, r)
                 continue
-            ms_first, ms_plain = measure(weights, r)
+            ms_first, ms_plain = measure(weights, r, compiler_options=compiler_options)
             entry = new[key] = {"rows": r, "dtype": dtype, "weight_first_ms": round(ms_first, 3),
                                 "plain_ms": round(ms_plain, 3), "weight_first": ms_first < ms_plain}
         _SEEN[key] = entry

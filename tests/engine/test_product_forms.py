@@ -65,7 +65,9 @@ def test_a_model_under_the_size_floor_keeps_the_static_rule(monkeypatch):
 
 def test_measured_forms_take_the_faster_and_are_read_back_from_disk(tmp_path, monkeypatch):
     timings = {2: (1.0, 2.0), 8: (3.0, 2.0)}  # (weight-first, plain) ms
-    monkeypatch.setattr(product_forms, "measure", lambda weights, rows: timings[rows])
+    options = []
+    monkeypatch.setattr(product_forms, "measure",
+                        lambda weights, rows, compiler_options=None: options.append(compiler_options) or timings[rows])
     monkeypatch.setattr(product_forms, "_SEEN", {})
     path = str(tmp_path / "product_forms.json")
     rows = [1, 2, 8, product_forms.MEASURE_MAX_ROWS * 2]
@@ -78,6 +80,12 @@ def test_measured_forms_take_the_faster_and_are_read_back_from_disk(tmp_path, mo
     monkeypatch.setattr(product_forms, "_SEEN", {})
     monkeypatch.setattr(product_forms, "measure", lambda *a, **k: pytest.fail("measured again"))
     assert product_forms.resolve("measured", _params(), rows, path=path, min_bytes=0) == want
+    # Chains compiled with other options (engine/step/cpu_compile.py) are measured afresh, with them.
+    wide = {"xla_cpu_prefer_vector_width": 512}
+    monkeypatch.setattr(product_forms, "measure",
+                        lambda weights, rows, compiler_options=None: options.append(compiler_options) or timings[rows])
+    assert product_forms.resolve("measured", _params(), rows, path=path, min_bytes=0, compiler_options=wide) == want
+    assert options == [None, None, wide, wide] and len(json.load(open(path))) == 4
     # Other weights (another model) are measured afresh; a spent budget leaves them static.
     assert product_forms.resolve("measured", _params(jnp.bfloat16), rows, path=path, min_bytes=0,
                                  budget_seconds=-1.0) is None
