@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 
@@ -271,10 +272,13 @@ def build_draft_proposer(config: EngineConfig, shapes: RunnerShapes, target, *, 
     return DraftModelProposer(runner, spec.num_speculative_tokens)
 
 
-def compiler_options(config: EngineConfig, platform: str) -> dict | None:
-    """XLA's options for a runner's compiles: on the CPU, the vector width its loops prefer
-    (engine/step/cpu_compile.py); elsewhere none."""
-    return cpu_compile.compiler_options(config.cpu_vector_width) if platform == "cpu" else None
+def compiler_options(config: EngineConfig, platform: str):
+    """token rows -> XLA's options for a runner's compile of a program of that many rows: on the
+    CPU, the vector width its loops prefer (engine/step/cpu_compile.py); elsewhere None."""
+    if platform != "cpu":
+        return None
+    cpu_compile.compiler_options(config.cpu_vector_width, 1)  # a bad width: refused now
+    return functools.partial(cpu_compile.compiler_options, config.cpu_vector_width)
 
 
 def cpu_product_forms(config: EngineConfig, shapes: RunnerShapes, executables: dict | None = None):

@@ -301,7 +301,8 @@ class DraftHeadProposer:
         if s not in self._compiled:
             rows = jax.ShapeDtypeStruct((s,), jnp.int32)
             lowered = self._fn.lower(self.params, self.shared, self._hidden_shape, rows, rows)
-            self._compiled[s] = lowered.compile(getattr(self.runner, "compiler_options", None))  # the target's
+            options = getattr(self.runner, "compiler_options", None)  # the target's, for s rows
+            self._compiled[s] = lowered.compile(options and options(s))
         return self._compiled[s]
 
     def propose(self, requests) -> list[list[int]]:

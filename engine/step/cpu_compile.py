@@ -7,20 +7,25 @@ on stop 51's Intel Xeon (2 cores, AVX-512; BUILD_NOTES.md "Quantization", stop 5
 
   the default model's 120 one-row int8 weight-only layer products (a scratch chain):
       13.1 ms at XLA's 256 bits, 9.7 ms at 512;
-  the fixed workload at N = 1 (`experiments.bench.offline --dataset=fixed --num_requests=1`):
-      int8 weights + int8 cache 42.8 -> 57.6 tok/s, float32 29.0 -> 30.1;
-  at N = 8 and 32 every dtype within the run-to-run noise (-2 % to +5 %).
+  the fixed workload at N = 1, same-run command, two rounds alternated with the commit before:
+      int8 weights + int8 cache 43.4 / 42.5 -> 57.6 / 56.5 tok/s, a bfloat16 model with int8
+      weights 41.4 / 40.7 -> 66.2 / 63.6, float32 29.7 / 29.0 -> 29.9 / 29.4.
 
 `EngineConfig.cpu_vector_width` says which width an engine on the CPU compiles for:
 
-  auto   (default) 512 where the CPU has AVX-512 (/proc/cpuinfo's avx512f), else XLA's default
-         (256 bits); measured on an Intel Xeon only: on an AMD EPYC (Zen 4, whose AVX-512 units
-         are 256 bits wide) it is not measured, and "256" gives back XLA's default there;
-  256    XLA's default, also where the CPU has AVX-512;
-  512    512-bit vectors asked for (LLVM keeps to what the CPU has).
+  auto   (default) 512 for the buckets of one token row, where the CPU has AVX-512
+         (/proc/cpuinfo's avx512f); XLA's default (256 bits) for the other buckets and on other
+         CPUs. Larger buckets keep the default because 512 bits bought nothing there: in two
+         alternated rounds of the same-run command, N = 8 and 32 ran 2-5 % slower with 512 than
+         without in 10 of 12 arm pairs (within the noise of one round; BUILD_NOTES.md). Measured
+         on an Intel Xeon only: an AMD EPYC (Zen 4, whose AVX-512 units are 256 bits wide) is not
+         measured, and "256" gives back XLA's default there;
+  256    XLA's default, for every bucket;
+  512    512-bit vectors asked for, for every bucket (LLVM keeps to what the CPU has).
 
 The widths sum a dot's products in another order: float rounding differs, nothing else. Other
-platforms take no option from this (`compiler_options` is for a CPU engine's compiles only).
+platforms take no option from this (engine/core/builder.py gives it to a CPU engine's compiles
+only).
 """
 
 from __future__ import annotations
@@ -43,13 +48,13 @@ def has_avx512() -> bool:
     return "avx512f" in flags
 
 
-def compiler_options(width: str) -> dict[str, int] | None:
-    """The XLA:CPU compile options for `width` (EngineConfig.cpu_vector_width); None: XLA's
-    defaults."""
+def compiler_options(width: str, rows: int) -> dict[str, int] | None:
+    """The XLA:CPU compile options for a program of `rows` token rows (a bucket's padded tokens)
+    under `width` (EngineConfig.cpu_vector_width); None: XLA's defaults."""
     if width not in CPU_VECTOR_WIDTHS:
         raise ValueError(f"cpu_vector_width must be one of {', '.join(CPU_VECTOR_WIDTHS)}; got {width!r}")
     if width == "auto":
-        if not has_avx512():
+        if rows != 1 or not has_avx512():
             return None
         width = "512"
     return {OPTION: int(width)}

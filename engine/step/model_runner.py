@@ -77,8 +77,8 @@ class ModelRunner:
         served weights as params["lora"]; the step's products per token use `lora_method`,
         models/lora.py); None: no adapters. warmup: run every bucket compiled at start-up once
         (`warm_up`). product_forms: served params -> the CPU's product form table (None: static);
-        compiler_options: XLA's, for each bucket's compile (engine/step/cpu_compile.py)."""
-        self.model_config, self.compiler_options = model_config, compiler_options
+        compiler_options: padded tokens -> XLA's options for that bucket's compile (cpu_compile.py)."""
+        self.model_config, self.compiler_options = model_config, compiler_options or (lambda tokens: None)
         self.layer_loop = layer_loop  # engine/config.py LAYER_LOOPS
         self.shapes = shapes
         self.dtype = dtype
@@ -265,7 +265,7 @@ class ModelRunner:
 
     def _compile(self, bucket: Bucket):
         loaded = self._loaded.pop(bucket, None)
-        compiled = loaded if loaded is not None else self._lower(bucket).compile(self.compiler_options)
+        compiled = loaded if loaded is not None else self._lower(bucket).compile(self.compiler_options(bucket.padded_tokens))
         if self.pins_cache and self.cache_formats is None:  # the cache, unwritten yet, remade in it
             self.cache_formats, self.kv_cache = program.pin_cache_layout(self.kv_cache, compiled)
         return compiled

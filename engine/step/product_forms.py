@@ -161,11 +161,11 @@ def measurements_path(compilation_cache_dir: str | None) -> str | None:
 
 
 def resolve(form: str, params: dict, rows, *, path: str | None = None, min_bytes: int = MEASURE_MIN_BYTES,
-            budget_seconds: float = BUDGET_SECONDS, compiler_options: dict | None = None) -> dict | None:
+            budget_seconds: float = BUDGET_SECONDS, compiler_options=None) -> dict | None:
     """The table models/weight_first.product_forms lowers a CPU engine's buckets with: {(dtype
     name, rows): weight-first?} for `rows` (the buckets' token and logit row counts), or None for
     the static rule. `form`: EngineConfig.cpu_product_form (module docstring); compiler_options:
-    the buckets' (the chains are measured compiled as they will be)."""
+    rows -> the buckets' compile options (the chains are measured compiled as they will be)."""
     if form not in CPU_PRODUCT_FORMS:
         raise ValueError(f"cpu_product_form must be one of {', '.join(CPU_PRODUCT_FORMS)}; got {form!r}")
     weights = product_weights(params)
@@ -180,14 +180,15 @@ def resolve(form: str, params: dict, rows, *, path: str | None = None, min_bytes
         return None
     stored, new, table, start, report = _read(path), {}, {}, time.perf_counter(), []
     for r in (r for r in counts if r <= MEASURE_MAX_ROWS):
-        key = _key(weights, r, compiler_options)
+        options = compiler_options and compiler_options(r)
+        key = _key(weights, r, options)
         entry = _SEEN.get(key) or stored.get(key)
         if entry is None:
             if time.perf_counter() - start > budget_seconds:
                 logger.info("jaxserve: product form budget (%.0f s) spent: %d rows keep the static rule",
                             budget_seconds, r)
                 continue
-            ms_first, ms_plain = measure(weights, r, compiler_options=compiler_options)
+            ms_first, ms_plain = measure(weights, r, compiler_options=options)
             entry = new[key] = {"rows": r, "dtype": dtype, "weight_first_ms": round(ms_first, 3),
                                 "plain_ms": round(ms_plain, 3), "weight_first": ms_first < ms_plain}
         _SEEN[key] = entry

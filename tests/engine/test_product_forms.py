@@ -84,7 +84,8 @@ def test_measured_forms_take_the_faster_and_are_read_back_from_disk(tmp_path, mo
     wide = {"xla_cpu_prefer_vector_width": 512}
     monkeypatch.setattr(product_forms, "measure",
                         lambda weights, rows, compiler_options=None: options.append(compiler_options) or timings[rows])
-    assert product_forms.resolve("measured", _params(), rows, path=path, min_bytes=0, compiler_options=wide) == want
+    assert product_forms.resolve("measured", _params(), rows, path=path, min_bytes=0,
+                                 compiler_options=lambda rows: wide) == want
     assert options == [None, None, wide, wide] and len(json.load(open(path))) == 4
     # Other weights (another model) are measured afresh; a spent budget leaves them static.
     assert product_forms.resolve("measured", _params(jnp.bfloat16), rows, path=path, min_bytes=0,
