@@ -45,6 +45,8 @@ from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo
 from jax.interpreters import mlir
 
+from models.weight_first import lowered_form
+
 _SHIFT = 128
 
 
@@ -102,12 +104,30 @@ def _u8s8(xq, q, code_sums=None):
     return y[:rows] - y[rows:]
 
 
-def int8_product(xq: jax.Array, q: jax.Array, code_sums: jax.Array | None = None) -> jax.Array:
+def _weight_first_s8s8(xq, q, code_sums=None):
+    """y^T = q . xq^T, s8 x s8 -> int32, transposed back: YNNPACK packs the t activation rows, not
+    the weight (models/weight_first.py's float form; behind barriers so XLA does not fold it back
+    into xq . q^T)."""
+    del code_sums
+    x = jax.lax.optimization_barrier(xq)  # contracted on its last axis: no transposed copy of it
+    yt = jax.lax.dot_general(q, x, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)  # [o, t]
+    return jnp.swapaxes(jax.lax.optimization_barrier(yt), 0, 1)
+
+
+def int8_product(xq: jax.Array, q: jax.Array, code_sums: jax.Array | None = None,
+                 weight_first: bool | None = None) -> jax.Array:
     """xq [t, i] int8 . q[o, i]^T int8 -> int32 [t, o], exact (module docstring). code_sums int32
-    [o]: q's sums over i, if held (the CPU form then needs no correction row); they must be q's."""
+    [o]: q's sums over i, if held (the CPU form then needs no correction row); they must be q's.
+    weight_first (the CPU, t >= 2): True, the s8 x s8 product weight-first; False, the form above;
+    None, as the product form table being lowered says for ("int8", t) (measured at start-up,
+    engine/step/product_forms.py), else False."""
     if code_sums is not None and (code_sums.shape != q.shape[:1] or code_sums.dtype != jnp.int32):
         raise ValueError(f"code_sums must be int32 [{q.shape[0]}] (the weight's sums over its input); got "
                          f"{code_sums.dtype}{list(code_sums.shape)}")
+    if weight_first is None:
+        weight_first = bool(lowered_form(("int8", xq.shape[0])))
+    if weight_first and xq.shape[0] >= 2:
+        return jax.lax.platform_dependent(xq, q, cpu=_weight_first_s8s8, default=_s8s8)
     if not _ynn_takes(max(xq.shape[0] + (code_sums is None), 2), q.shape[1], q.shape[0]):
         return _s8s8(xq, q)
     # The platform the step is lowered for (a compile for a TPU on a CPU host takes the TPU's).

@@ -23,7 +23,8 @@ call: 2.3x slower, stop 48). The same chain in bfloat16 on a 2-core Intel Xeon (
 of 15 interleaved rounds; x . w^T -> weight-first): 2 rows 24.1 -> 15.3 ms, 8 rows 22.7 -> 16.0,
 16 rows 24.6 -> 18.2, 32 rows 23.2 -> 21.3, 64 rows 29.6 -> 26.5, but 128 rows 43.6 -> 46.7 and
 256 rows 61.2 -> 78.0, so larger products keep x . w^T. Quantized weights (models/quant.py) keep
-their own forms (int8 weight-first was 7-8x slower).
+their own forms (int8 weight-only weight-first was 7-8x slower); an int8 x int8 product takes a
+weight-first form where the table says so for ("int8", rows) (models/int8_dot.py).
 
 Which form is faster depends on the machine: float32 at 32 rows was 1.38x faster weight-first on
 stop 48's AMD EPYC and 1.19x slower on stop 50's Intel Xeon. So the rule above is the static one;
@@ -79,6 +80,13 @@ def product_forms(table: dict | None):
         _FORMS.reset(token)
 
 
+def lowered_form(key: tuple[str, int]) -> bool | None:
+    """The form the `product_forms` table being lowered names for (dtype name, rows): True
+    weight-first, False plain, None not in it (or no table)."""
+    table = _FORMS.get()
+    return None if table is None or key not in table else bool(table[key])
+
+
 def static_rule(dtype, rows: int) -> bool:
     """The built-in rule: float32 from 2 rows, bfloat16 from 2 to BF16_MAX_ROWS rows."""
     return rows >= 2 and (dtype == jnp.float32 or (dtype == jnp.bfloat16 and rows <= BF16_MAX_ROWS))
@@ -90,11 +98,8 @@ def takes_weight_first(spec: str, x: jax.Array, w: jax.Array) -> bool:
     says for (dtype, rows), else as `static_rule` does."""
     if x.ndim != 2 or x.shape[0] < 2 or x.dtype != w.dtype or not out_major(spec, w.shape):
         return False
-    table = _FORMS.get()  # its keys are float dtypes only; static_rule refuses the others
-    key = (jnp.dtype(w.dtype).name, x.shape[0])
-    if table is not None and key in table:
-        return bool(table[key])
-    return static_rule(w.dtype, x.shape[0])
+    form = lowered_form((jnp.dtype(w.dtype).name, x.shape[0]))  # static_rule refuses non-floats
+    return static_rule(w.dtype, x.shape[0]) if form is None else form
 
 
 def _weight_first(x, w):

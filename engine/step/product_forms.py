@@ -41,7 +41,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine.config import CPU_PRODUCT_FORMS
+from models.int8_dot import int8_product
 from models.layer_loops import SERVED_PRODUCTS
+from models.quant import QuantizedWeight
 from models.weight_first import FLOAT_DTYPES, out_major, static_rule, weight_first_product
 
 logger = logging.getLogger("jaxserve")
@@ -71,29 +73,50 @@ def product_weights(params: dict) -> list[jax.Array]:
     return [w for w in weights if jnp.dtype(w.dtype).name in FLOAT_DTYPES and out_major(SPEC, w.shape)]
 
 
+def int8_weights(params: dict) -> list[QuantizedWeight]:
+    """The served model's int8 weights whose products of 2+ rows quantize their activations
+    (int8 x int8, models/int8_dot.py), in step order as `product_weights`. Empty for stacked
+    layers."""
+    layers = params.get("layers")
+    if not isinstance(layers, list):
+        return []
+    weights = [layer[name] for layer in layers for name in SERVED_PRODUCTS if name in layer]
+    weights += [params[name] for name in ("output_proj", "embed") if name in params][:1]
+    return [w for w in weights if isinstance(w, QuantizedWeight) and w.q.dtype == jnp.int8 and w.q.ndim == 2
+            and w.block is None and w.activation_rows is not None and w.activation_group is None]
+
+
 def _chain(weight_first: bool):
     """jit(weights, inputs by width) -> a scalar: each weight's product in turn, each fed a value
-    of the one before (so none runs early or is skipped)."""
+    of the one before (so none runs early or is skipped). int8 weights (QuantizedWeight) take
+    int8 rows and their int8 x int8 product as served (models/int8_dot.py)."""
     def run(weights, xs):
         s = jnp.zeros((), jnp.float32)
         for w in weights:
-            x = xs[w.shape[1]] + (s * 0.0).astype(w.dtype)
-            if weight_first:
-                y = weight_first_product(SPEC, x, w)
+            if isinstance(w, QuantizedWeight):
+                x = xs[w.q.shape[1]] + (s * 0.0).astype(jnp.int8)
+                y = int8_product(x, w.q, w.code_sums, weight_first=weight_first)
             else:
-                y = jnp.einsum(SPEC, x, w, preferred_element_type=jnp.float32)
-            s = y[0, 0]
+                x = xs[w.shape[1]] + (s * 0.0).astype(w.dtype)
+                if weight_first:
+                    y = weight_first_product(SPEC, x, w)
+                else:
+                    y = jnp.einsum(SPEC, x, w, preferred_element_type=jnp.float32)
+            s = y[0, 0].astype(jnp.float32)
         return s
 
     return jax.jit(run)
 
 
-def measure(weights: list[jax.Array], rows: int, repeats: int = REPEATS,
+def measure(weights: list, rows: int, repeats: int = REPEATS,
             compiler_options: dict | None = None) -> tuple[float, float]:
-    """Median milliseconds of the chain of `weights` at `rows` rows: (weight-first, plain),
-    compiled with `compiler_options` (the buckets', engine/step/cpu_compile.py)."""
-    dtype = weights[0].dtype
-    xs = {i: jnp.full((rows, i), 0.01, dtype) for i in sorted({w.shape[1] for w in weights})}
+    """Median milliseconds of the chain of `weights` (float arrays, or int8 QuantizedWeights) at
+    `rows` rows: (weight-first, plain), compiled with `compiler_options` (the buckets',
+    engine/step/cpu_compile.py)."""
+    if isinstance(weights[0], QuantizedWeight):
+        xs = {i: jnp.ones((rows, i), jnp.int8) for i in sorted({w.q.shape[1] for w in weights})}
+    else:
+        xs = {i: jnp.full((rows, i), 0.01, weights[0].dtype) for i in sorted({w.shape[1] for w in weights})}
     calls = [_chain(form).lower(weights, xs).compile(compiler_options) for form in (True, False)]
     times: list[list[float]] = [[], []]
     for call in calls:
@@ -118,8 +141,9 @@ def _machine() -> str:
     return "|".join([name, str(os.cpu_count()), jax.__version__, os.environ.get("XLA_FLAGS", "")])
 
 
-def _key(weights: list[jax.Array], rows: int, compiler_options: dict | None = None) -> str:
-    shapes = [(jnp.dtype(w.dtype).name, *w.shape) for w in weights]
+def _key(weights: list, rows: int, compiler_options: dict | None = None) -> str:
+    shapes = [(jnp.dtype(w.dtype).name, *w.shape) if isinstance(w, jax.Array) else ("int8", *w.q.shape)
+              for w in weights]
     options = sorted((compiler_options or {}).items())
     text = json.dumps([_machine(), shapes, rows, *([options] if options else [])])  # (keys made before options stay)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
@@ -169,15 +193,30 @@ def resolve(form: str, params: dict, rows, *, path: str | None = None, min_bytes
     if form not in CPU_PRODUCT_FORMS:
         raise ValueError(f"cpu_product_form must be one of {', '.join(CPU_PRODUCT_FORMS)}; got {form!r}")
     weights = product_weights(params)
-    if form == "static" or not weights:
-        return None
-    dtype = jnp.dtype(weights[0].dtype).name
-    weights = [w for w in weights if jnp.dtype(w.dtype).name == dtype]
     counts = sorted({int(r) for r in rows if int(r) >= 2})
-    if form in ("weight_first", "plain"):
-        return {(dtype, r): form == "weight_first" for r in counts}
-    if sum(w.size * w.dtype.itemsize for w in weights) < min_bytes:
+    if form == "static":
         return None
+    table = {}
+    if weights:
+        dtype = jnp.dtype(weights[0].dtype).name
+        weights = [w for w in weights if jnp.dtype(w.dtype).name == dtype]
+        if form in ("weight_first", "plain"):
+            return {(dtype, r): form == "weight_first" for r in counts}
+        table.update(_measured(weights, dtype, counts, path, min_bytes, budget_seconds, compiler_options))
+    quantized = int8_weights(params) if form == "measured" else []
+    if quantized:  # int8 x int8 products: the rows that quantize their activations
+        counts = [r for r in counts if quantized[0].quantizes_activations(r)]
+        table.update(_measured(quantized, "int8", counts, path, min_bytes, budget_seconds, compiler_options))
+    return table or None
+
+
+def _measured(weights, dtype, counts, path, min_bytes, budget_seconds, compiler_options) -> dict:
+    """{(dtype, rows): weight-first?} for `counts` up to MEASURE_MAX_ROWS, each read from the
+    measurements kept (this process's, then `path`'s) or timed now and kept; {} for weights under
+    `min_bytes`."""
+    size = lambda w: w.q.size if isinstance(w, QuantizedWeight) else w.size * w.dtype.itemsize  # noqa: E731
+    if sum(size(w) for w in weights) < min_bytes:
+        return {}
     stored, new, table, start, report = _read(path), {}, {}, time.perf_counter(), []
     for r in (r for r in counts if r <= MEASURE_MAX_ROWS):
         options = compiler_options and compiler_options(r)
@@ -193,12 +232,12 @@ def resolve(form: str, params: dict, rows, *, path: str | None = None, min_bytes
                                 "plain_ms": round(ms_plain, 3), "weight_first": ms_first < ms_plain}
         _SEEN[key] = entry
         table[(dtype, r)] = weight_first = bool(entry["weight_first"])
+        rule = dtype != "int8" and static_rule(jnp.dtype(dtype), r)
         report.append(f"{r} rows {'weight-first' if weight_first else 'plain'} ({entry['weight_first_ms']:.1f} "
-                      f"against {entry['plain_ms']:.1f} ms; static rule: "
-                      f"{'weight-first' if static_rule(jnp.dtype(dtype), r) else 'plain'})")
+                      f"against {entry['plain_ms']:.1f} ms; static rule: {'weight-first' if rule else 'plain'})")
     _write(path, new)
     if table:
         logger.info("jaxserve: CPU product forms, %s, %s: %s", dtype,
                     f"measured in {time.perf_counter() - start:.1f} s" if new else "as measured before",
                     "; ".join(report))
-    return table or None
+    return table
