@@ -25,7 +25,8 @@ layers, [E, o, i] for experts.
                    the dot (XLA:CPU fuses the convert into the product's loop for a few rows).
      activations   t >= activation_rows: each row of x is quantized too, with a dynamic scale
                    sx = max|x_row| / 127 (int8) or / 448 (fp8), y = dot(xq, q) accumulated in
-                   int32 (int8, exact; models/int8_dot.py runs it as u8 x s8 on the CPU) or
+                   int32 (int8, exact; models/int8_dot.py runs it as u8 x s8 on the CPU, or
+                   weight-first s8 x s8 where that was measured faster) or
                    float32 (fp8) * sx * s. A row's result depends only on that row, so batching
                    never changes it.
    The activation scales are per row, or (activation_group G) per G input channels of a row

@@ -1,28 +1,33 @@
-"""On the CPU, the form each float product of a bucket takes, measured on the machine.
+"""On the CPU, the form each float or int8 x int8 product of a bucket takes, measured on the machine.
 
 XLA:CPU runs a float32 or bfloat16 out-major product x . w^T of 2+ rows either as written
 (YNNPACK packs the weight on every call) or weight-first, y^T = w . x^T (it packs the rows of
 activations instead; models/weight_first.py). Which is faster depends on the machine, the dtype
 and the row count: float32 at 32 rows was 1.38x faster weight-first on stop 48's AMD EPYC and
 1.19x slower on stop 50's Intel Xeon, where 8 rows were 1.38x faster weight-first (BUILD_NOTES.md
-"CPU attention forms", stop 50). `EngineConfig.cpu_product_form` says how an engine on the CPU
-chooses:
+"CPU attention forms", stop 50). An int8 weight's product that quantizes its activations
+(models/int8_dot.py) has the same two forms: as written (u8 x s8, YNNPACK packing the weight) or
+weight-first (s8 x s8, y^T = q . xq^T); on stop 51's Intel Xeon the default model's chain at 8
+rows took 10.5 ms weight-first against 14.5 ms as written. `EngineConfig.cpu_product_form` says
+how an engine on the CPU chooses:
 
   measured      (default) at start-up, for every row count from 2 to MEASURE_MAX_ROWS that a
                 bucket's products run (its tokens, its logit rows), both forms of the served
                 model's own product weights in a chain (every layer's products, then the lm_head)
-                are timed, and the faster one is lowered. Only where those weights are at least
+                are timed, and the faster one is lowered; so are its int8 x int8 products (the
+                int8 weights' chain, at the row counts that quantize activations; their static
+                form is u8 x s8 as written). Only where those weights are at least
                 MEASURE_MIN_BYTES: a smaller model's products run from the caches, and its
                 buckets keep the static rule (so do row counts past MEASURE_MAX_ROWS, and the
                 rest once the time budget is spent). Each measurement is kept in
                 `product_forms.json` beside the compilation cache folder in use, per machine,
                 jax version, XLA_FLAGS, dtype, weight shapes and rows: a restart reads it.
   static        models/weight_first.py's rule (float32 from 2 rows, bfloat16 from 2 to 64).
-  weight_first  every float product of 2+ rows weight-first.
-  plain         every float product as written.
+  weight_first  every float product of 2+ rows weight-first (int8 x int8: the static form).
+  plain         every float product as written (int8 x int8: the static form).
 
 The forms compute the same dot products summed in another order: float32 rounding differs,
-nothing else. Other platforms lower the plain product whatever this says (weight_first_product
+nothing else (int8 x int8 sums in int32: both forms exact, equal). Other platforms lower the plain product whatever this says (weight_first_product
 is CPU-only); an engine on a mesh is not measured and keeps the static rule.
 """
 

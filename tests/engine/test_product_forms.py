@@ -125,3 +125,64 @@ def test_only_the_buckets_compiled_here_are_measured(monkeypatch):
     cpu_product_forms(EngineConfig(), shapes, {b: None for b in buckets if b.padded_tokens != 8})({})
     cpu_product_forms(EngineConfig(), shapes, {b: None for b in buckets})({})
     assert asked == [[1, 8, 32], [8], []]
+
+
+def _int8_params():
+    from models.quant import hold_code_sums, quantize_params
+
+    return hold_code_sums(quantize_params(_params(), "int8", activation_rows=2))
+
+
+def test_int8_weights_are_the_served_int8_products_that_quantize_their_activations():
+    params = _int8_params()
+    got = product_forms.int8_weights(params)
+    assert [w.q.shape for w in got] == [(48, 16), (16, 16), (64, 16), (16, 32)] * 2 + [(40, 16)]
+    assert all(w.code_sums is not None for w in got)
+    assert product_forms.product_weights(params) == []  # no float products left
+    assert product_forms.int8_weights(_params()) == []
+
+
+def test_int8_forms_are_exact_and_lowered_as_the_table_says():
+    from models.int8_dot import int8_product
+
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.integers(-127, 128, (24, 16), dtype=np.int8))
+    sums = q.astype(jnp.int32).sum(1)
+    for rows in (2, 8, 33):
+        x = jnp.asarray(rng.integers(-127, 128, (rows, 16), dtype=np.int8))
+        want = np.asarray(x, np.int64) @ np.asarray(q, np.int64).T
+        for weight_first in (True, False):
+            np.testing.assert_array_equal(int8_product(x, q, sums, weight_first=weight_first), want)
+
+    def lowered(table):
+        x = jnp.ones((8, 16), jnp.int8)
+        with lowered_with(table):
+            return jax.jit(lambda x, q: int8_product(x, q, sums)).lower(x, q).as_text()
+
+    assert "optimization_barrier" in lowered({("int8", 8): True})
+    assert "optimization_barrier" not in lowered({("int8", 8): False})
+    assert "optimization_barrier" not in lowered({("int8", 2): True})  # another row count
+    assert "optimization_barrier" not in lowered(None)  # static: as before, xq . q^T
+
+
+def test_int8_products_are_measured_only_under_measured_and_only_where_they_quantize(tmp_path, monkeypatch):
+    params, rows = _int8_params(), [1, 2, 8, product_forms.MEASURE_MAX_ROWS * 2]
+    monkeypatch.setattr(product_forms, "_SEEN", {})
+    asked = []
+    monkeypatch.setattr(product_forms, "measure", lambda weights, r, compiler_options=None: (
+        asked.append((type(weights[0]).__name__, r)) or ((1.0, 2.0) if r == 2 else (3.0, 2.0))))
+    path = str(tmp_path / "product_forms.json")
+    got = product_forms.resolve("measured", params, rows, path=path, min_bytes=0)
+    assert got == {("int8", 2): True, ("int8", 8): False}
+    assert asked == [("QuantizedWeight", 2), ("QuantizedWeight", 8)]
+    assert sorted(e["dtype"] for e in json.load(open(path)).values()) == ["int8", "int8"]
+    for form in ("static", "plain", "weight_first"):  # the forced forms name float products only
+        assert product_forms.resolve(form, params, rows, path=path, min_bytes=0) is None
+
+
+def test_measure_times_both_int8_chains_which_compute_the_same_products():
+    weights = product_forms.int8_weights(_int8_params())
+    first, plain = product_forms.measure(weights, 4, repeats=1)
+    assert first > 0 and plain > 0
+    xs = {i: jnp.ones((4, i), jnp.int8) for i in (16, 32)}
+    assert product_forms._chain(True)(weights, xs) == product_forms._chain(False)(weights, xs)
