@@ -46,10 +46,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine.config import CPU_PRODUCT_FORMS
-from models.int8_dot import int8_product
 from models.layer_loops import SERVED_PRODUCTS
 from models.quant import QuantizedWeight
 from models.weight_first import FLOAT_DTYPES, out_major, static_rule, weight_first_product
+from models.weight_first import product_forms as lowering_forms
 
 logger = logging.getLogger("jaxserve")
 
@@ -93,14 +93,18 @@ def int8_weights(params: dict) -> list[QuantizedWeight]:
 
 def _chain(weight_first: bool):
     """jit(weights, inputs by width) -> a scalar: each weight's product in turn, each fed a value
-    of the one before (so none runs early or is skipped). int8 weights (QuantizedWeight) take
-    int8 rows and their int8 x int8 product as served (models/int8_dot.py)."""
+    of the one before (so none runs early or is skipped). An int8 weight (QuantizedWeight) takes
+    rows of the model's dtype through its product as served (the rows quantized, the int8 x int8
+    product in the form measured, the scales; models/quant.py): which form is faster depends on
+    what runs around it (stop 51: at 32 rows the bare int8 products were faster weight-first,
+    with their quantization slower)."""
     def run(weights, xs):
         s = jnp.zeros((), jnp.float32)
         for w in weights:
-            if isinstance(w, QuantizedWeight):
-                x = xs[w.q.shape[1]] + (s * 0.0).astype(jnp.int8)
-                y = int8_product(x, w.q, w.code_sums, weight_first=weight_first)
+            if isinstance(w, QuantizedWeight):  # as served: the rows quantized, the product, the scales
+                x = xs[w.q.shape[1]] + (s * 0.0).astype(w.dtype)
+                with lowering_forms({("int8", x.shape[0]): weight_first}):  # (traced here)
+                    y = w.product(SPEC, x)
             else:
                 x = xs[w.shape[1]] + (s * 0.0).astype(w.dtype)
                 if weight_first:
@@ -118,10 +122,7 @@ def measure(weights: list, rows: int, repeats: int = REPEATS,
     """Median milliseconds of the chain of `weights` (float arrays, or int8 QuantizedWeights) at
     `rows` rows: (weight-first, plain), compiled with `compiler_options` (the buckets',
     engine/step/cpu_compile.py)."""
-    if isinstance(weights[0], QuantizedWeight):
-        xs = {i: jnp.ones((rows, i), jnp.int8) for i in sorted({w.q.shape[1] for w in weights})}
-    else:
-        xs = {i: jnp.full((rows, i), 0.01, weights[0].dtype) for i in sorted({w.shape[1] for w in weights})}
+    xs = {i: jnp.full((rows, i), 0.01, weights[0].dtype) for i in sorted({w.shape[1] for w in weights})}
     calls = [_chain(form).lower(weights, xs).compile(compiler_options) for form in (True, False)]
     times: list[list[float]] = [[], []]
     for call in calls:
@@ -147,7 +148,7 @@ def _machine() -> str:
 
 
 def _key(weights: list, rows: int, compiler_options: dict | None = None) -> str:
-    shapes = [(jnp.dtype(w.dtype).name, *w.shape) if isinstance(w, jax.Array) else ("int8", *w.q.shape)
+    shapes = [(jnp.dtype(w.dtype).name, *w.shape, *(["int8"] if isinstance(w, QuantizedWeight) else []))
               for w in weights]
     options = sorted((compiler_options or {}).items())
     text = json.dumps([_machine(), shapes, rows, *([options] if options else [])])  # (keys made before options stay)

@@ -184,5 +184,5 @@ def test_measure_times_both_int8_chains_which_compute_the_same_products():
     weights = product_forms.int8_weights(_int8_params())
     first, plain = product_forms.measure(weights, 4, repeats=1)
     assert first > 0 and plain > 0
-    xs = {i: jnp.ones((4, i), jnp.int8) for i in (16, 32)}
+    xs = {i: jnp.full((4, i), 0.01, jnp.float32) for i in (16, 32)}
     assert product_forms._chain(True)(weights, xs) == product_forms._chain(False)(weights, xs)
