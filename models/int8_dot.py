@@ -18,9 +18,10 @@ quantization, `python -m experiments.bench.quant_forms`; BUILD_NOTES.md "Quantiz
 Weight-first (measured per row count at start-up, engine/step/product_forms.py; the table being
 lowered says ("int8", rows) -> True): the s8 x s8 dot as y^T = q . xq^T, transposed back, so that
 YNNPACK packs the few activation rows rather than the whole weight on every call. On stop 51's
-Intel Xeon the default model's chain of int8 products took 10.5 against 14.5 ms at 8 rows and
-13.5 against 19.0 ms at 32 (BUILD_NOTES.md "Quantization", stop 51); not measured on the AMD
-EPYC where the u8 x s8 form was chosen, so without a measurement the form below stays.
+Intel Xeon the bfloat16 default model's int8 products as served (quantization and scales
+included) took 13.1 against 16.1 ms at 8 rows and 16.3 against 20.1 ms at 32 (BUILD_NOTES.md
+"Quantization", stop 51); not measured on the AMD EPYC where the u8 x s8 form was chosen, so
+without a measurement the form below stays.
 
 The correction's sums come from one of two places:
   given     `code_sums` int32 [o] = sum_i q[o, i], computed once from the weight (the CPU's

@@ -7,8 +7,8 @@ and the row count: float32 at 32 rows was 1.38x faster weight-first on stop 48's
 1.19x slower on stop 50's Intel Xeon, where 8 rows were 1.38x faster weight-first (BUILD_NOTES.md
 "CPU attention forms", stop 50). An int8 weight's product that quantizes its activations
 (models/int8_dot.py) has the same two forms: as written (u8 x s8, YNNPACK packing the weight) or
-weight-first (s8 x s8, y^T = q . xq^T); on stop 51's Intel Xeon the default model's chain at 8
-rows took 10.5 ms weight-first against 14.5 ms as written. `EngineConfig.cpu_product_form` says
+weight-first (s8 x s8, y^T = q . xq^T); on stop 51's Intel Xeon the bfloat16 default model's
+int8 products as served took 13.1 ms weight-first against 16.1 ms as written at 8 rows. `EngineConfig.cpu_product_form` says
 how an engine on the CPU chooses:
 
   measured      (default) at start-up, for every row count from 2 to MEASURE_MAX_ROWS that a
@@ -27,8 +27,9 @@ how an engine on the CPU chooses:
   plain         every float product as written (int8 x int8: the static form).
 
 The forms compute the same dot products summed in another order: float32 rounding differs,
-nothing else (int8 x int8 sums in int32: both forms exact, equal). Other platforms lower the plain product whatever this says (weight_first_product
-is CPU-only); an engine on a mesh is not measured and keeps the static rule.
+nothing else (int8 x int8 sums in int32: both forms exact, equal). Other platforms lower the
+plain product whatever this says (the weight-first forms are CPU-only); an engine on a mesh is
+not measured and keeps the static rule.
 """
 
 from __future__ import annotations
