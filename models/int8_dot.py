@@ -122,19 +122,16 @@ def _weight_first_s8s8(xq, q, code_sums=None):
     return jnp.swapaxes(jax.lax.optimization_barrier(yt), 0, 1)
 
 
-def int8_product(xq: jax.Array, q: jax.Array, code_sums: jax.Array | None = None,
-                 weight_first: bool | None = None) -> jax.Array:
+def int8_product(xq: jax.Array, q: jax.Array, code_sums: jax.Array | None = None) -> jax.Array:
     """xq [t, i] int8 . q[o, i]^T int8 -> int32 [t, o], exact (module docstring). code_sums int32
     [o]: q's sums over i, if held (the CPU form then needs no correction row); they must be q's.
-    weight_first (the CPU, t >= 2): True, the s8 x s8 product weight-first; False, the form above;
-    None, as the product form table being lowered says for ("int8", t) (measured at start-up,
-    engine/step/product_forms.py), else False."""
+    On the CPU, t >= 2 rows run weight-first where the product form table being lowered says so
+    for ("int8", t) (models/weight_first.py product_forms; measured at start-up,
+    engine/step/product_forms.py)."""
     if code_sums is not None and (code_sums.shape != q.shape[:1] or code_sums.dtype != jnp.int32):
         raise ValueError(f"code_sums must be int32 [{q.shape[0]}] (the weight's sums over its input); got "
                          f"{code_sums.dtype}{list(code_sums.shape)}")
-    if weight_first is None:
-        weight_first = bool(lowered_form(("int8", xq.shape[0])))
-    if weight_first and xq.shape[0] >= 2:
+    if xq.shape[0] >= 2 and lowered_form(("int8", xq.shape[0])):
         return jax.lax.platform_dependent(xq, q, cpu=_weight_first_s8s8, default=_s8s8)
     if not _ynn_takes(max(xq.shape[0] + (code_sums is None), 2), q.shape[1], q.shape[0]):
         return _s8s8(xq, q)

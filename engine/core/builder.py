@@ -277,8 +277,7 @@ def compiler_options(config: EngineConfig, platform: str):
     CPU, the vector width its loops prefer (engine/step/cpu_compile.py); elsewhere None."""
     if platform != "cpu":
         return None
-    cpu_compile.compiler_options(config.cpu_vector_width, 1)  # a bad width: refused now
-    return functools.partial(cpu_compile.compiler_options, config.cpu_vector_width)
+    return functools.partial(cpu_compile.compiler_options, config.cpu_vector_width)  # (EngineConfig checked it)
 
 
 def cpu_product_forms(config: EngineConfig, shapes: RunnerShapes, executables: dict | None = None):

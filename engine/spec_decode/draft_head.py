@@ -301,8 +301,7 @@ class DraftHeadProposer:
         if s not in self._compiled:
             rows = jax.ShapeDtypeStruct((s,), jnp.int32)
             lowered = self._fn.lower(self.params, self.shared, self._hidden_shape, rows, rows)
-            options = getattr(self.runner, "compiler_options", None)  # the target's, for s rows
-            self._compiled[s] = lowered.compile(options and options(s))
+            self._compiled[s] = lowered.compile(self.runner.compiler_options(s))  # the target's, for s rows
         return self._compiled[s]
 
     def propose(self, requests) -> list[list[int]]:

@@ -38,14 +38,19 @@ OPTION = "xla_cpu_prefer_vector_width"
 
 
 @functools.cache
-def has_avx512() -> bool:
-    """Whether this machine's CPU has AVX-512 (Linux's /proc/cpuinfo; elsewhere False)."""
+def cpuinfo(field: str) -> str:
+    """The first `field` line's value in Linux's /proc/cpuinfo ("model name", "flags"); "" where
+    there is none (other systems)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+            return next((line.split(":", 1)[1].strip() for line in f if line.split(":", 1)[0].strip() == field), "")
     except OSError:
-        return False
-    return "avx512f" in flags
+        return ""
+
+
+def has_avx512() -> bool:
+    """Whether this machine's CPU has AVX-512 (/proc/cpuinfo's flags; elsewhere False)."""
+    return "avx512f" in cpuinfo("flags").split()
 
 
 def compiler_options(width: str, rows: int) -> dict[str, int] | None:

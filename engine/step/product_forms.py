@@ -47,9 +47,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine.config import CPU_PRODUCT_FORMS
+from engine.step.cpu_compile import cpuinfo
 from models.layer_loops import SERVED_PRODUCTS
+from models.layers import proj
 from models.quant import QuantizedWeight
-from models.weight_first import FLOAT_DTYPES, out_major, static_rule, weight_first_product
+from models.weight_first import FLOAT_DTYPES, out_major, static_rule
 from models.weight_first import product_forms as lowering_forms
 
 logger = logging.getLogger("jaxserve")
@@ -93,8 +95,9 @@ def int8_weights(params: dict) -> list[QuantizedWeight]:
 
 
 def _chain(weight_first: bool):
-    """jit(weights, inputs by width) -> a scalar: each weight's product in turn, each fed a value
-    of the one before (so none runs early or is skipped). An int8 weight (QuantizedWeight) takes
+    """jit(weights, inputs by width) -> a scalar: each weight's product in turn (models/layers.py
+    proj, as a step lowers it, under a table naming the form), each fed a value of the one before
+    (so none runs early or is skipped). An int8 weight (QuantizedWeight) takes
     rows of the model's dtype through its product as served (the rows quantized, the int8 x int8
     product in the form measured, the scales; models/quant.py): which form is faster depends on
     what runs around it (stop 51: at 32 rows the bare int8 products were faster weight-first,
@@ -102,17 +105,10 @@ def _chain(weight_first: bool):
     def run(weights, xs):
         s = jnp.zeros((), jnp.float32)
         for w in weights:
-            if isinstance(w, QuantizedWeight):  # as served: the rows quantized, the product, the scales
-                x = xs[w.q.shape[1]] + (s * 0.0).astype(w.dtype)
-                with lowering_forms({("int8", x.shape[0]): weight_first}):  # (traced here)
-                    y = w.product(SPEC, x)
-            else:
-                x = xs[w.shape[1]] + (s * 0.0).astype(w.dtype)
-                if weight_first:
-                    y = weight_first_product(SPEC, x, w)
-                else:
-                    y = jnp.einsum(SPEC, x, w, preferred_element_type=jnp.float32)
-            s = y[0, 0].astype(jnp.float32)
+            x = xs[w.shape[1]] + (s * 0.0).astype(w.dtype)
+            kind = "int8" if isinstance(w, QuantizedWeight) else jnp.dtype(w.dtype).name
+            with lowering_forms({(kind, x.shape[0]): weight_first}):  # the served product, in this form
+                s = proj(SPEC, x, w)[0, 0]
         return s
 
     return jax.jit(run)
@@ -139,13 +135,7 @@ def measure(weights: list, rows: int, repeats: int = REPEATS,
 @functools.cache
 def _machine() -> str:
     """What a measurement depends on besides the model: the CPU, jax and XLA's flags."""
-    name = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        pass
-    return "|".join([name, str(os.cpu_count()), jax.__version__, os.environ.get("XLA_FLAGS", "")])
+    return "|".join([cpuinfo("model name"), str(os.cpu_count()), jax.__version__, os.environ.get("XLA_FLAGS", "")])
 
 
 def _key(weights: list, rows: int, compiler_options: dict | None = None) -> str:

@@ -152,7 +152,8 @@ def test_int8_forms_are_exact_and_lowered_as_the_table_says():
         x = jnp.asarray(rng.integers(-127, 128, (rows, 16), dtype=np.int8))
         want = np.asarray(x, np.int64) @ np.asarray(q, np.int64).T
         for weight_first in (True, False):
-            np.testing.assert_array_equal(int8_product(x, q, sums, weight_first=weight_first), want)
+            with lowered_with({("int8", rows): weight_first}):
+                np.testing.assert_array_equal(jax.jit(int8_product)(x, q, sums), want)
 
     def lowered(table):
         x = jnp.ones((8, 16), jnp.int8)
