@@ -62,6 +62,7 @@ class EngineConfig:
     background_compile: bool = False  # with precompile: compile the smallest and largest buckets at start-up and the rest on a background thread (steps pad to a compiled bucket meanwhile); make serve turns it on
     cpu_product_form: str = "measured"  # on the CPU, the form of a float product of 2+ rows (models/weight_first.py): "measured" (both forms timed at start-up on the served weights for each bucket row count up to 64, int8 x int8 products too, kept per machine beside the compilation cache; models under 64 MiB of product weights keep the static rule), "static" (float32 weight-first from 2 rows, bfloat16 from 2 to 64), "weight_first" or "plain" (engine/step/product_forms.py)
     cpu_vector_width: str = "auto"  # on the CPU, the vector width XLA:CPU's own loops prefer (its xla_cpu_prefer_vector_width, given to each step's compile): "auto" (512 for the buckets of one token row where the CPU has AVX-512, measured: the one-row int8 step 1.33x faster; XLA's default, 256, for larger buckets and other CPUs), "256" or "512" for every bucket (engine/step/cpu_compile.py)
+    cpu_attention_kernel: str = "auto"  # on the CPU, how attention's one-token rows (the decodes) run: "auto" (the native kernel, pallas_kernels/cpu_native.py, built on first use with the machine's C++ compiler: each row's pages read in place, the rows spread over XLA's threads; measured: the fixed workload at 32 requests 1.26x faster in float32; where it cannot be built, the jnp page loop, with a warning naming why), "native" (an error where it cannot be built) or "jnp" (the page loop XLA compiles)
     cpu_reuse_freed_memory: bool | None = None  # on the CPU: glibc malloc keeps the memory a step frees for the next (its mmap and trim thresholds raised to 1 GiB, process-wide; engine/step/host_memory.py), so XLA:CPU's per-step temporaries above 32 MiB are not mapped and zeroed afresh every step; None: where glibc is present, True: an error where it is not, False: the allocator as the process set it
     warmup: bool = True  # run each compiled bucket once on an all-padding step before any request does (XLA:CPU's first run of an executable costs ~0.3 s more than the next); buckets compiled in the background warm while the server is idle; False: the first step in each bucket pays it
     tensor_parallel_size: int = 1  # devices one model is split over (the mesh's "model" axis)
@@ -93,6 +94,7 @@ class EngineConfig:
         if self.cpu_vector_width in (256, 512) and not isinstance(self.cpu_vector_width, bool):  # as a number
             object.__setattr__(self, "cpu_vector_width", str(self.cpu_vector_width))
         _choice("cpu_vector_width", self.cpu_vector_width, CPU_VECTOR_WIDTHS)
+        _choice("cpu_attention_kernel", self.cpu_attention_kernel, CPU_ATTENTION_KERNELS)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         if self.max_model_len is not None:
@@ -287,6 +289,7 @@ STACK_LAYER_WEIGHTS = {"cpu": False, "gpu": True, "tpu": True}
 LAYER_LOOPS = ("unrolled", "stacked", "switch")
 CPU_PRODUCT_FORMS = ("measured", "static", "weight_first", "plain")  # engine/step/product_forms.py
 CPU_VECTOR_WIDTHS = ("auto", "256", "512")  # engine/step/cpu_compile.py
+CPU_ATTENTION_KERNELS = ("auto", "native", "jnp")  # engine/core/builder.py rows_kernel
 # Quantized weights (models/quant.py): the smallest product (rows) that also quantizes its
 # activations, per platform. CPU, measured (BUILD_NOTES.md "Quantization"): XLA:CPU converts int8
 # weights inside a one-row dot at the speed of reading them, but from a few rows on the converted

@@ -2,7 +2,9 @@
 
   prepare_attention_metadata(...)  attention.py: once per step, the batch's AttentionMetadata
   ragged_paged_attention(...)      attention.py: one layer's attention, dispatch by backend
-    "xla"         xla.py: pure jnp, the CPU path and the kernels' reference
+    "xla"         xla.py: pure jnp, the CPU path and the kernels' reference; on the CPU its
+                  decode rows can run cpu_native.py's kernel instead (C++ through XLA's FFI,
+                  built on first use; the jnp page loop stays its reference and fallback)
     "pallas_tpu"  tpu.py: Pallas TPU (Mosaic) kernel
     "pallas_gpu"  gpu.py: Pallas Triton kernel, plus a split-K variant for decode
   write_kv(...)                    kv_write.py: one donated scatter per cache array

@@ -46,6 +46,7 @@ def prepare_attention_metadata(
     form: str | None = None,
     chunk_block_q: int | None = None,
     chunk_tail_block_q: int | None = None,
+    rows_kernel: str | None = None,
 ) -> AttentionMetadata:
     """The step's AttentionMetadata for `backend`: everything that depends only on the batch.
 
@@ -55,14 +56,15 @@ def prepare_attention_metadata(
     (or prepares once per kind). head_dim, when given, is checked against q on every call.
     block_q, pages_per_step (xla, pallas_gpu) and num_kv_splits (pallas_gpu) override the
     backend's static choices; None lets the backend choose. form ("loop" | "split", xla only)
-    overrides the xla path's per-bucket choice of attention form (xla_forms.py). Raises ValueError naming the argument
+    overrides the xla path's per-bucket choice of attention form (xla_forms.py), rows_kernel ("jnp" |
+    "native", xla only) how its one-token rows run (None: the xla_forms.rows_kernel context's). Raises ValueError naming the argument
     and shapes when the inputs break the contract.
     """
     if backend not in validation.BACKENDS:
         raise ValueError(f"backend must be one of {validation.BACKENDS}; got {backend!r}")
     validation.check_sliding_window(sliding_window)
     split_options = (("chunk_block_q", chunk_block_q), ("chunk_tail_block_q", chunk_tail_block_q))
-    for name, value in (("form", form), *split_options):
+    for name, value in (("form", form), ("rows_kernel", rows_kernel), *split_options):
         if value is not None and backend != "xla":
             raise ValueError(f"{name} is an xla option; got {name}={value!r}, backend={backend!r}")
     for name, value in split_options:
@@ -92,6 +94,7 @@ def prepare_attention_metadata(
             form=form,
             chunk_block_q=chunk_block_q,
             chunk_tail_block_q=chunk_tail_block_q,
+            rows_kernel=rows_kernel,
         )
     if backend == "pallas_gpu":
         return prepare_gpu(

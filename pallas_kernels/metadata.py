@@ -143,6 +143,9 @@ class AttentionMetadata:
     # The xla path's form (xla_forms.py): "loop" (every query block in one vectorized page loop)
     # or "split" (blocks / tables above are the one-token rows, `chunks` the prefill chunks).
     form: str = _static(default="loop")
+    # How the xla path runs its one-token rows (xla_forms.ROWS_KERNELS): "jnp" (the page loop) or
+    # "native" (cpu_native.py's kernel, where it reads the cache; elsewhere the page loop).
+    rows_kernel: str = _static(default="jnp")
     chunks: object = None  # xla_split.ChunkMetadata for form "split", else None
 
     @property

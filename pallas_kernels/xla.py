@@ -53,7 +53,7 @@ forms", stop 42: that step's attention 1.7x faster). Up to ROW_LOOP_MAX rows run
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import metadata, validation
+from pallas_kernels import cpu_native, metadata, validation
 from pallas_kernels.kv_quant import ScaledCache, dequantize_kv
 from pallas_kernels.kv_write import as_bits, from_bits
 
@@ -102,9 +102,10 @@ class PagedKV:
     ([L * num_blocks, Hkv, bs] head-major)."""
 
     def __init__(self, k_pages, v_pages, page_base, dtype, block_size, scales=None, kv_cache_dtype="auto",
-                 kv_layout="token_major", q_dtype=None):
+                 kv_layout="token_major", q_dtype=None, num_blocks=None):
         self.k_pages, self.v_pages = k_pages, v_pages  # [L * num_blocks, *page_shape] (bits)
         self.page_base = page_base  # int (static) or int32[]: layer * num_blocks
+        self.num_blocks = num_blocks or k_pages.shape[0]  # pages per layer
         self.dtype = dtype  # the dtype the pages hold (the float type for a uint16 cache)
         self.block_size = block_size
         self.scales = scales  # None, or (k, v) scale pages (bfloat16 bits) of an 8-bit cache
@@ -124,13 +125,13 @@ class PagedKV:
             (k_pages, k_scales), (v_pages, v_scales) = pages(k_cache), pages(v_cache)
             return cls(k_pages, v_pages, validation.layer_index(layer) * cache.num_blocks, k_pages.dtype,
                        block_size, (k_scales, v_scales), k_cache.kv_cache_dtype, kv_layout=cache.kv_layout,
-                       q_dtype=q_dtype)
+                       q_dtype=q_dtype, num_blocks=cache.num_blocks)
         dtype = jnp.asarray(k_cache).dtype
         if dtype == jnp.uint16:
             dtype = q_dtype
         return cls(jnp.reshape(as_bits(k_cache), page_shape), jnp.reshape(as_bits(v_cache), page_shape),
                    validation.layer_index(layer) * cache.num_blocks, dtype, block_size, kv_layout=cache.kv_layout,
-                   q_dtype=q_dtype)
+                   q_dtype=q_dtype, num_blocks=cache.num_blocks)
 
     def query(self, qb, sm_scale):
         """A query block in the products' operand dtype and the scale its scores still take: float32
@@ -251,6 +252,19 @@ def _row_groups(qb, md: metadata.AttentionMetadata, row_pos, row_ok, kv: PagedKV
     return out[:nb]
 
 
+def _native_rows(qb, md: metadata.AttentionMetadata, row_pos, row_ok, kv: PagedKV, *, sliding_window, soft_cap,
+                 score_scale):
+    """One-token rows through the native CPU kernel (cpu_native.py), each over the kv positions
+    it sees ([end - window, end) with a sliding window), its pages read in place. [NB, 1, Hkv, G,
+    D] float32, as page_loop returns."""
+    end = jnp.where(row_ok[:, 0], row_pos[:, 0] + 1, 0)
+    start = jnp.zeros_like(end) if sliding_window is None else jnp.maximum(end - sliding_window, 0)
+    out = cpu_native.decode_rows(qb[:, 0], kv.k_pages, kv.v_pages, md.tables, start, end, kv.page_base,
+                                 scale=1.0 if score_scale is None else score_scale, soft_cap=soft_cap,
+                                 num_blocks=kv.num_blocks)
+    return out[:, None]
+
+
 def blocks_attention(q, kv: PagedKV, md: metadata.AttentionMetadata, *, sm_scale, sliding_window,
                      soft_cap):
     """Every query block of md in one vectorized page loop; [T, Hq, D] in q.dtype, zeros for
@@ -265,7 +279,10 @@ def blocks_attention(q, kv: PagedKV, md: metadata.AttentionMetadata, *, sm_scale
     row_ok = rows[None, :] < blocks.q_lens[:, None]  # [NB, bq]
     options = dict(pages_per_step=md.pages_per_step, sliding_window=sliding_window, soft_cap=soft_cap,
                    score_scale=score_scale)
-    if bq == 1 and nb > ROW_LOOP_MAX:
+    if bq == 1 and md.rows_kernel == "native" and cpu_native.reads(kv.dtype, kv.scales is not None, kv.head_major):
+        out = _native_rows(qb, md, row_pos, row_ok, kv, sliding_window=sliding_window, soft_cap=soft_cap,
+                           score_scale=score_scale)
+    elif bq == 1 and nb > ROW_LOOP_MAX:
         out = _row_groups(qb, md, row_pos, row_ok, kv, **options)
     else:
         out = page_loop(qb, md.tables, md.first_step, md.last_step, row_pos, row_ok, kv, **options)

@@ -7,12 +7,21 @@ Forms (all exact, float32 online softmax; the measurements behind the rule are i
   "split"  xla_split.py: the one-token rows (decodes) in one vectorized page loop, the prefill
            chunks one after another, each up to its own last page.
 
+The one-token rows of either form run in the jnp page loop ("jnp") or, where it is built and asked
+for, in the native CPU kernel ("native", cpu_native.py: the rows' pages read in place, the rows
+spread over XLA's threads): `rows_kernel` in prepare_xla, else the `rows_kernel(...)` context the
+metadata is prepared in (the engine lowers its buckets inside one; outside any, "jnp").
+
 The rule (`choose_form`) reads only static shapes, so a bucket compiles one form and never
 recompiles, and nothing is chosen by a device value: num_tokens T == 1 runs "loop" (a single
 row: both forms are the same loop), every other bucket "split". A decode row costs a page loop
 row, not a block_q-row block, and a prefill chunk's pages are fetched once per chunk of
 CHUNK_BLOCK_Q tokens and only up to the chunk's own position.
 """
+
+import contextlib
+import contextvars
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +31,8 @@ from pallas_kernels.kv_quant import ScaledCache, check_scaled_pair
 from pallas_kernels.xla import PagedKV, blocks_attention, prepare_loop
 
 FORMS = ("loop", "split")
+ROWS_KERNELS = ("jnp", "native")  # how the one-token rows run (module docstring)
+_ROWS_KERNEL: contextvars.ContextVar[str] = contextvars.ContextVar("rows_kernel", default="jnp")
 ROW_KV_POSITIONS = 64  # kv positions per loop step of the vectorized loops (rows and blocks)
 CHUNK_BLOCK_Q = 64  # tokens per prefill chunk of the split form (its body tier)
 CHUNK_TAIL_BLOCK_Q = 16  # tokens per chunk of what is left of a sequence (its tail tier)
@@ -32,6 +43,19 @@ def choose_form(num_tokens: int, max_num_seqs: int) -> str:
     """The static rule: "loop" for a one-token bucket, "split" otherwise."""
     del max_num_seqs  # the rule does not need it (every S measured agreed)
     return "loop" if num_tokens == 1 else "split"
+
+
+@contextlib.contextmanager
+def rows_kernel(kernel: str):
+    """Within: metadata prepared without an explicit rows_kernel runs its one-token rows with
+    `kernel` (one of ROWS_KERNELS)."""
+    if kernel not in ROWS_KERNELS:
+        raise ValueError(f"rows_kernel must be one of {ROWS_KERNELS}; got {kernel!r}")
+    token = _ROWS_KERNEL.set(kernel)
+    try:
+        yield
+    finally:
+        _ROWS_KERNEL.reset(token)
 
 
 def choose_pages_per_step(block_size: int, max_blocks_per_seq: int, kv_positions: int) -> int:
@@ -53,13 +77,17 @@ def prepare_xla(
     chunk_block_q: int | None = None,
     chunk_pages_per_step: int | None = None,
     chunk_tail_block_q: int | None = None,
+    rows_kernel: str | None = None,
 ) -> metadata.AttentionMetadata:
     """The xla path's AttentionMetadata in the bucket's form (inputs already validated).
 
     form None applies choose_form, or "loop" when block_q is given; block_q (loop form only) and pages_per_step (the vectorized
     loop of either form), chunk_block_q, chunk_pages_per_step and chunk_tail_block_q (split form) override the
-    static choices.
+    static choices; rows_kernel (ROWS_KERNELS) the `rows_kernel(...)` context's.
     """
+    kernel = _ROWS_KERNEL.get() if rows_kernel is None else rows_kernel
+    if kernel not in ROWS_KERNELS:
+        raise ValueError(f"rows_kernel must be one of {ROWS_KERNELS} (or None: the context's); got {rows_kernel!r}")
     if form is None:  # a block_q is a loop-form block size: asking for one asks for the loop form
         form = "loop" if block_q is not None else choose_form(shapes.num_tokens, shapes.max_num_seqs)
     if form not in FORMS:
@@ -74,8 +102,9 @@ def prepare_xla(
     pps = pages_per_step or choose_pages_per_step(bs, mb, ROW_KV_POSITIONS)
     args = (seq_lens, block_tables, query_start_loc, num_seqs, shapes)
     if form == "loop":
-        return prepare_loop(*args, sliding_window=sliding_window, block_q=block_q, pages_per_step=pps)
-    return xla_split.prepare_split(
+        md = prepare_loop(*args, sliding_window=sliding_window, block_q=block_q, pages_per_step=pps)
+        return dataclasses.replace(md, rows_kernel=kernel)
+    md = xla_split.prepare_split(
         *args,
         sliding_window=sliding_window,
         pages_per_step=pps,
@@ -83,6 +112,7 @@ def prepare_xla(
         tail_block_q=chunk_tail_block_q or CHUNK_TAIL_BLOCK_Q,
         chunk_pages_per_step=chunk_pages_per_step or choose_pages_per_step(bs, mb, CHUNK_KV_POSITIONS),
     )
+    return dataclasses.replace(md, rows_kernel=kernel)
 
 
 def ragged_paged_attention_xla(

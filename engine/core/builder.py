@@ -33,7 +33,7 @@ from engine.step.kv_cache import cache_budget, pool_sizes
 from engine.step.model_runner import ModelRunner
 from engine.step.tpu_cache_layout import laid_out_factor
 from models.loader import load_model
-from pallas_kernels import resolve_backend
+from pallas_kernels import cpu_native, resolve_backend
 from pallas_kernels.kv_quant import scale_layout
 from scheduler import Scheduler, SchedulerConfig
 
@@ -121,6 +121,7 @@ def build_parts(config: EngineConfig, *, progress: bool = True, mesh=None, loade
             f"EngineConfig.attention_backend={config.attention_backend!r}: Pallas kernels do not "
             "compile for the CPU; pass interpret=True to run them in Pallas interpret mode "
             "(slow, for tests), or use attention_backend='xla' (the CPU path)")
+    rows = rows_kernel(config, platform, backend)  # before loading executables: they may call it
     start = time.perf_counter()
     if loaded is None:
         loaded = load_model(config.model, dtype=dtype, seed=config.seed, tokenizer=config.tokenizer,
@@ -196,7 +197,7 @@ def build_parts(config: EngineConfig, *, progress: bool = True, mesh=None, loade
                             quantization=config.quantization,
                             activation_rows=resolve_activation_rows(config, platform),
                             kv_cache_dtype=config.kv_cache_dtype,
-                            smoothing=smoothing if placement is None else None)
+                            smoothing=smoothing if placement is None else None, rows_kernel=rows)
         executables = load_executables(config.load_executables, expected, devices)
     lora_manager, lora_slots, lora_method = None, None, "masked"
     if config.enable_lora:
@@ -221,7 +222,7 @@ def build_parts(config: EngineConfig, *, progress: bool = True, mesh=None, loade
                          activation_rows=resolve_activation_rows(config, platform),
                          kv_cache_dtype=config.kv_cache_dtype, warmup=config.warmup,
                          product_forms=cpu_product_forms(config, shapes, executables) if platform == "cpu" and placement is None else None,
-                         compiler_options=compiler_options(config, platform))
+                         compiler_options=compiler_options(config, platform), rows_kernel=rows)
     proposer = None
     if spec is not None and spec.method == "draft_model":
         proposer = build_draft_proposer(config, shapes, loaded, dtype=dtype, backend=backend,
@@ -268,8 +269,31 @@ def build_draft_proposer(config: EngineConfig, shapes: RunnerShapes, target, *, 
                          interpret=config.interpret, layer_loop=resolve_layer_loop(config, platform),
                          precompile=config.precompile,
                          background_compile=config.background_compile, progress=progress,
-                         warmup=config.warmup, compiler_options=compiler_options(config, platform))
+                         warmup=config.warmup, compiler_options=compiler_options(config, platform),
+                         rows_kernel=rows_kernel(config, platform, backend))
     return DraftModelProposer(runner, spec.num_speculative_tokens)
+
+
+def rows_kernel(config: EngineConfig, platform: str, backend: str) -> str:
+    """How the runner's decode rows run (pallas_kernels/xla_forms.py ROWS_KERNELS), from
+    EngineConfig.cpu_attention_kernel: the native kernel on the CPU's xla path where it builds
+    (pallas_kernels/cpu_native.py; "auto" falls back to the jnp page loop with a warning naming
+    why, "native" is an error there), the jnp page loop everywhere else."""
+    choice = config.cpu_attention_kernel
+    if platform != "cpu" or backend != "xla":
+        if choice == "native":
+            raise ValueError(f"EngineConfig.cpu_attention_kernel='native' runs on the CPU's xla attention "
+                             f"path; this engine runs {backend!r} on {platform!r}")
+        return "jnp"
+    if choice == "jnp":
+        return "jnp"
+    if cpu_native.available():
+        return "native"
+    if choice == "native":
+        raise ValueError(f"EngineConfig.cpu_attention_kernel='native': {cpu_native.unavailable_reason()}")
+    logger.warning("the native CPU attention kernel is unavailable (%s); decode rows run the jnp page loop",
+                   cpu_native.unavailable_reason())
+    return "jnp"
 
 
 def compiler_options(config: EngineConfig, platform: str):

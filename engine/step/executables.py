@@ -39,7 +39,7 @@ def _version(package: str) -> str | None:
 def manifest(*, platform: str, device_kind: str, model: ModelConfig, dtype: str,
              attention_backend: str, layer_loop: str, tensor_parallel_size: int,
              shapes: RunnerShapes, quantization: str | None = None, activation_rows: int | None = None,
-             kv_cache_dtype: str = "auto", smoothing: float | None = None) -> dict:
+             kv_cache_dtype: str = "auto", smoothing: float | None = None, rows_kernel: str = "jnp") -> dict:
     """What must be equal between the process that compiled and the one that loads."""
     plugin = _PLUGINS.get(platform)
     as_json = lambda x: json.loads(json.dumps(x, default=str))  # noqa: E731  (tuples -> lists)
@@ -56,6 +56,8 @@ def manifest(*, platform: str, device_kind: str, model: ModelConfig, dtype: str,
                   # (smoothing only when on: manifests written before it existed stay valid; a
                   # smoothed tied embedding carries its factors, models/quant.py input_scale)
                   **({"quantization_smoothing": smoothing} if smoothing is not None else {}),
+                  # (the native rows kernel only when on: its custom call must be registered to load)
+                  **({"rows_kernel": rows_kernel} if rows_kernel != "jnp" else {}),
                   **{k: v for k, v in dataclasses.asdict(shapes).items() if v or k != "lora_ranks"}},
         "buckets": [dataclasses.astuple(b)[: 3 if b.lora_rank is None else 4] for b in shapes.all_buckets()],
     })

@@ -72,17 +72,17 @@ class ModelRunner:
                  background_compile: bool = False, keep_hidden: bool = False,
                  executables: dict | None = None, lora=None, lora_method: str = "masked",
                  quantization: str | None = None, activation_rows: int | None = None,
-                 kv_cache_dtype: str = "auto", warmup: bool = False, product_forms=None, compiler_options=None):
+                 kv_cache_dtype: str = "auto", warmup: bool = False, product_forms=None, compiler_options=None,
+                 rows_kernel: str = "jnp"):
         """lora: engine/lora/slots.LoRASlots, the adapters' device slots (their buffers join the
         served weights as params["lora"]; the step's products per token use `lora_method`,
         models/lora.py); None: no adapters. warmup: run every bucket compiled at start-up once
         (`warm_up`). product_forms: served params -> the CPU's product form table (None: static);
-        compiler_options: padded tokens -> XLA's options for that bucket's compile (cpu_compile.py)."""
+        compiler_options: padded tokens -> XLA's options for that bucket's compile (cpu_compile.py);
+        rows_kernel: how the xla path's decode rows run (pallas_kernels/xla_forms.py ROWS_KERNELS)."""
         self.model_config, self.compiler_options = model_config, compiler_options or (lambda tokens: None)
-        self.layer_loop = layer_loop  # engine/config.py LAYER_LOOPS
-        self.shapes = shapes
-        self.dtype = dtype
-        self.placement = placement
+        self.rows_kernel, self.layer_loop = rows_kernel, layer_loop  # engine/config.py LAYER_LOOPS
+        self.shapes, self.dtype, self.placement = shapes, dtype, placement
         bits = attention_backend == "xla"
         self.kv_layout = kv_layout_for(attention_backend)  # the pages' layout: head-major on the xla path
         # The cache groups (engine/step/kv_cache.py): one, or two with a sliding group; an 8-bit
@@ -273,7 +273,7 @@ class ModelRunner:
     def _lower(self, bucket: Bucket):
         formats = (self.cache_formats or "auto") if self.pins_cache else None
         return lower_bucket(self._step, self.builder, bucket, self._abstract_state, self._input_sharding,
-                            cache_formats=formats, product_forms=self.product_forms)
+                            cache_formats=formats, product_forms=self.product_forms, rows_kernel=self.rows_kernel)
 
     @functools.cached_property
     def _abstract_state(self):

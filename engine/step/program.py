@@ -39,7 +39,7 @@ from models.random_weights import random_params
 from models.served_layout import fuse_projections, pack_layer_bits, stack_layers
 from models.sharded_quant import abstract_quantized_params
 from models.sharding import abstract_sharded_params
-from pallas_kernels import kv_layout_for
+from pallas_kernels import kv_layout_for, xla_forms
 
 
 def serve_layout(params: dict, layer_loop: str, quantization: str | None = None,
@@ -164,12 +164,13 @@ def pin_cache_layout(kv_cache, compiled):
 
 
 def lower_bucket(step, builder: BatchBuilder, bucket: Bucket, abstract_state, input_sharding=None,
-                 cache_formats=None, product_forms: dict | None = None):
+                 cache_formats=None, product_forms: dict | None = None, rows_kernel: str = "jnp"):
     """The bucket's step lowered against (params, kv_cache, table) shapes; cache and table donated.
     cache_formats (`pins_cache_layout`): the cache's input and output formats, "auto"
     (`auto_cache_formats`) or the concrete ones a compile chose (equal in and out: the donated
     cache stays in place). product_forms: the CPU's float product forms by (dtype, rows)
-    (engine/step/product_forms.py), None: the static rule."""
+    (engine/step/product_forms.py), None: the static rule. rows_kernel: how the xla path's
+    one-token rows run (pallas_kernels/xla_forms.py ROWS_KERNELS)."""
     if isinstance(cache_formats, str) and cache_formats == "auto":
         cache_formats = auto_cache_formats(abstract_state[1])
     layout = builder.layout(bucket.padded_tokens, bucket.padded_seqs, bucket.padded_logits)
@@ -182,7 +183,8 @@ def lower_bucket(step, builder: BatchBuilder, bucket: Bucket, abstract_state, in
     jitted = jax.jit(functools.partial(step, layout=layout, **lora), donate_argnums=(1, 2), **pinned)
     flat = jax.ShapeDtypeStruct((layout.size,), np.int32, sharding=input_sharding)
     mask = jax.ShapeDtypeStruct(layout.mask.shape, np.int32, sharding=input_sharding)
-    with weight_first.product_forms(product_forms):  # traced here, in whichever thread compiles
+    # traced here, in whichever thread compiles
+    with weight_first.product_forms(product_forms), xla_forms.rows_kernel(rows_kernel):
         return jitted.lower(*abstract_state, flat, mask)
 
 
