@@ -20,7 +20,15 @@ import pytest
 
 from pallas_kernels import cpu_native, ragged_paged_attention, write_kv, xla_forms
 from pallas_kernels.kv_quant import ScaledCache, quantize_kv
-from tests.pallas_kernels.cases import Case, case_options, make_batch, make_stacked_batch, oracle, prepare, tolerance
+from tests.pallas_kernels.cases import (
+    Case,
+    case_options,
+    make_batch,
+    make_stacked_batch,
+    oracle,
+    prepare,
+    tolerance,
+)
 from tests.pallas_kernels.test_xla import CASES, EDGE_CASES
 
 GRID = CASES[::2] + EDGE_CASES + [
