@@ -3,10 +3,10 @@
 // The xla path's decode rows (pallas_kernels/xla.py blocks_attention at block_q 1) in one pass
 // over each row's pages, read in place from the stacked head-major cache: no gathered copy of
 // the pages, and the rows spread over XLA's intra-op thread pool. Each (row, kv head) walks its
-// pages once with an online softmax (K then V of a page, the next page prefetched), head dims
-// 64 and 128 compiled for their size. XLA:CPU runs the jnp page loop
-// (gather, two small batched products, the online softmax) one op at a time on one core; this
-// kernel is what XLA does not write (BUILD_NOTES.md "CPU attention forms", stop 52).
+// pages once with an online softmax (K then V of a page, the next page prefetched; P . V summed
+// in registers per query head); head dims 64 and 128 are compiled for their size. XLA:CPU runs
+// the jnp page loop (gather, two small batched products, the online softmax) one op at a time on
+// one core; this kernel is what XLA does not write (BUILD_NOTES.md "CPU attention forms", stop 52).
 // pallas_kernels/cpu_native.py builds it with the machine's C++ compiler and registers it;
 // the jnp page loop stays the reference it is tested against.
 //
@@ -162,13 +162,26 @@ void attend(const Job& job, int64_t item, std::vector<float>& scratch) {
         for (int64_t d = 0; d < D; ++d) o[d] *= alpha;
       }
     }
-    for (int64_t t = 0; t < count; ++t) {
-      const E* v = vp + t * D;
-      for (int64_t g = 0; g < G; ++g) {
-        const float p = s[g * bs + t];
-        float* o = out + g * D;
+    for (int64_t g = 0; g < G; ++g) {
+      float* o = out + g * D;
+      const float* pg = s + g * bs;
+      if constexpr (kDim > 0) {
+        float acc[kDim];
+        for (int64_t d = 0; d < kDim; ++d) acc[d] = o[d];
+        for (int64_t t = 0; t < count; ++t) {
+          const E* v = vp + t * kDim;
+          const float p = pg[t];
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) o[d] += p * widen(v[d]);
+          for (int64_t d = 0; d < kDim; ++d) acc[d] += p * widen(v[d]);
+        }
+        for (int64_t d = 0; d < kDim; ++d) o[d] = acc[d];
+      } else {
+        for (int64_t t = 0; t < count; ++t) {
+          const E* v = vp + t * D;
+          const float p = pg[t];
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) o[d] += p * widen(v[d]);
+        }
       }
     }
   }
