@@ -106,6 +106,7 @@ class PagedKV:
         self.k_pages, self.v_pages = k_pages, v_pages  # [L * num_blocks, *page_shape] (bits)
         self.page_base = page_base  # int (static) or int32[]: layer * num_blocks
         self.num_blocks = num_blocks or k_pages.shape[0]  # pages per layer
+        self.native_pages = (k_pages, v_pages)  # what the native rows kernel reads (cpu_native.py)
         self.dtype = dtype  # the dtype the pages hold (the float type for a uint16 cache)
         self.block_size = block_size
         self.scales = scales  # None, or (k, v) scale pages (bfloat16 bits) of an 8-bit cache
@@ -129,9 +130,12 @@ class PagedKV:
         dtype = jnp.asarray(k_cache).dtype
         if dtype == jnp.uint16:
             dtype = q_dtype
-        return cls(jnp.reshape(as_bits(k_cache), page_shape), jnp.reshape(as_bits(v_cache), page_shape),
-                   validation.layer_index(layer) * cache.num_blocks, dtype, block_size, kv_layout=cache.kv_layout,
-                   q_dtype=q_dtype, num_blocks=cache.num_blocks)
+        kv = cls(jnp.reshape(as_bits(k_cache), page_shape), jnp.reshape(as_bits(v_cache), page_shape),
+                 validation.layer_index(layer) * cache.num_blocks, dtype, block_size, kv_layout=cache.kv_layout,
+                 q_dtype=q_dtype, num_blocks=cache.num_blocks)
+        # The native kernel reads a bfloat16 cache as it is (its bits would be a copy of the cache).
+        kv.native_pages = (jnp.reshape(k_cache, page_shape), jnp.reshape(v_cache, page_shape))
+        return kv
 
     def query(self, qb, sm_scale):
         """A query block in the products' operand dtype and the scale its scores still take: float32
@@ -259,7 +263,7 @@ def _native_rows(qb, md: metadata.AttentionMetadata, row_pos, row_ok, kv: PagedK
     D] float32, as page_loop returns."""
     end = jnp.where(row_ok[:, 0], row_pos[:, 0] + 1, 0)
     start = jnp.zeros_like(end) if sliding_window is None else jnp.maximum(end - sliding_window, 0)
-    out = cpu_native.decode_rows(qb[:, 0], kv.k_pages, kv.v_pages, md.tables, start, end, kv.page_base,
+    out = cpu_native.decode_rows(qb[:, 0], *kv.native_pages, md.tables, start, end, kv.page_base,
                                  scale=1.0 if score_scale is None else score_scale, soft_cap=soft_cap,
                                  num_blocks=kv.num_blocks)
     return out[:, None]

@@ -17,8 +17,10 @@ prefill_seqs chunks of prefill_chunk tokens in one flat batch). Contexts are uni
 [context / 2, context], one line per context of --contexts. The block tables are
 --max_model_len / block_size wide when that is set (what the engine's buckets carry: the longest
 context the bucket allows), else the longest context's pages. Forms (--forms, the xla path's,
-pallas_kernels/xla_forms.py): "auto" (the bucket's rule), "loop", "split", and "loop128" (the loop
-form with 128 kv positions a step, the path before the forms). Times are medians of `repeats`
+pallas_kernels/xla_forms.py): "auto" (the bucket's rule), "loop", "split", "loop128" (the loop
+form with 128 kv positions a step, the path before the forms), and "native" (the bucket's rule
+with its one-token rows in the native CPU kernel, what an engine on the CPU runs; every other
+form runs them in the jnp page loop). Times are medians of `repeats`
 interleaved runs (every form and dense in turn, a new shuffled order each round) after a warm-up; the ratio form / dense is the
 number to watch. A quick run: --repeats=5. --bucket_tokens / --bucket_seqs pad the paged batch as
 the engine pads a step to its compiled bucket (T and S columns then show the bucket's; dense
@@ -46,7 +48,7 @@ flags.DEFINE_list("shapes", ["decode", "mixed"], "Which batches to time: decode,
 flags.DEFINE_list("contexts", ["1024"], "Longest kv contexts; contexts are uniform in [c/2, c].")
 flags.DEFINE_integer("max_model_len", 0, "Block-table width in tokens (0: the longest context).")
 flags.DEFINE_list("forms", ["auto", "loop", "split"],
-                  "xla forms to time: auto, loop, split, loop128, split8 ... split128 (one chunk tier).")
+                  "xla forms to time: auto, loop, split, loop128, native, split8 ... split128 (one chunk tier).")
 flags.DEFINE_list("kv_layouts", [kv_layout_for("xla")], f"Page layouts to time ({', '.join(KV_LAYOUTS)}).")
 flags.DEFINE_integer("decode_seqs", 32, "Decoding sequences (one query token each).")
 flags.DEFINE_integer("prefill_seqs", 2, "Prefill chunks in the mixed batch.")
@@ -160,6 +162,9 @@ FORM_OPTIONS = {
     "loop": dict(form="loop"),
     "split": dict(form="split"),
     "loop128": dict(form="loop", pages_per_step=0),  # 0: 128 kv positions, set per block size
+    # The bucket's form with its one-token rows in the native CPU kernel (pallas_kernels/cpu_native.py);
+    # the other forms run them in the jnp page loop.
+    "native": dict(rows_kernel="native"),
     # The split form with one tier of c-token prefill chunks (the default: xla_forms'
     # CHUNK_BLOCK_Q-token chunks, each sequence's rest in chunks of CHUNK_TAIL_BLOCK_Q).
     **{f"split{c}": dict(form="split", chunk_block_q=c, chunk_tail_block_q=c) for c in (8, 16, 32, 64, 128)},
