@@ -48,6 +48,9 @@ bucket's padded sequences (S = 64 for a step of 16 decodes and a prompt chunk) c
 one vectorized loop over every row gathered pages for all 64 (BUILD_NOTES.md "CPU attention
 forms", stop 42: that step's attention 1.7x faster). Up to ROW_LOOP_MAX rows run in one loop: a
 32-row decode step as two groups of 16 was 3-6 % slower in bfloat16 (stop 50).
+With md.rows_kernel "native" (an engine on the CPU, xla_forms.rows_kernel) the one-token rows of
+float32 and bfloat16 head-major caches run in cpu_native.py's kernel instead (`_native_rows`):
+each row's pages read in place, the rows on every core; the page loop above is its reference.
 """
 
 import jax

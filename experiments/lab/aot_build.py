@@ -30,7 +30,7 @@ from engine.config import (
     resolve_max_model_len,
     resolve_smoothing,
 )
-from engine.core.builder import uses_sliding_groups
+from engine.core.builder import rows_kernel, uses_sliding_groups
 from engine.step.buckets import Bucket, RunnerShapes, resolve_seq_buckets, resolve_token_buckets
 from engine.step.executables import manifest, save_executables
 from engine.step.kv_cache import (
@@ -96,6 +96,7 @@ def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: st
     dtype = resolve_dtype(config, platform)
     backend = resolve_backend(config.attention_backend, platform)
     layer_loop = resolve_layer_loop(config, platform)
+    rows = rows_kernel(config, platform, backend)  # the CPU's decode rows, as the engine would run them
     mesh = replica_meshes(tp, 1, devices)[0] if tp > 1 else None
     placement_for = lambda m: Placement.for_mesh(mesh, m, config.expert_parallel_size) if mesh else None  # noqa: E731
     placement = placement_for(model)
@@ -165,11 +166,13 @@ def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: st
                                tables=cache_groups(model, shapes.num_blocks, shapes.num_sliding_blocks)[2],
                                num_layers=model.num_layers, peak=peak, bandwidth=bandwidth,
                                cost_model=cost_model, progress=progress,
-                               own_cost=layer_loop == "unrolled" or platform != "tpu", pin_cache=pins_cache_layout(backend))
+                               own_cost=layer_loop == "unrolled" or platform != "tpu", pin_cache=pins_cache_layout(backend),
+                               rows_kernel=rows)
     draft = None
     if drafting == "draft_model":
         draft = _draft_model_programs(draft_model, shapes, dtype=dtype, backend=backend, layer_loop=layer_loop,
-                                      device=devices[0], peak=peak, bandwidth=bandwidth, progress=progress)
+                                      device=devices[0], peak=peak, bandwidth=bandwidth, progress=progress,
+                                      rows_kernel=rows)
     elif drafting == "draft_head":
         draft = draft_head_programs(draft_head, params, shapes, spec.num_speculative_tokens, progress=progress)
     transfers = (transfer_programs(config, target_name, kv_leaf, max_blocks_per_seq, kv_layout_for(backend))
@@ -177,7 +180,7 @@ def compile_for_target(config: EngineConfig, model: ModelConfig, target_name: st
     meta = manifest(platform=platform, device_kind=devices[0].device_kind, model=model, dtype=dtype,
                     attention_backend=backend, layer_loop=layer_loop, tensor_parallel_size=tp,
                     shapes=shapes, quantization=config.quantization, activation_rows=activation_rows,
-                    kv_cache_dtype=config.kv_cache_dtype, smoothing=smoothing)
+                    kv_cache_dtype=config.kv_cache_dtype, smoothing=smoothing, rows_kernel=rows)
     return Build(
         target=target_name, platform=platform, dtype=dtype, attention_backend=backend,
         layer_loop=layer_loop, tensor_parallel_size=tp, max_model_len=max_model_len, block_size=bs,
@@ -240,7 +243,7 @@ def _kv_state(kv_config: ModelConfig, shapes: RunnerShapes, dtype: str, backend:
 def _compile_buckets(step, shapes: RunnerShapes, buckets, state, replicated, *, layer_loop: str,
                      num_layers: int, peak: float, bandwidth: float, cost_model=None, progress=print,
                      label: str = "bucket", own_cost: bool = True, tables: str = "global",
-                     pin_cache: bool = False) -> list[BucketResult]:
+                     pin_cache: bool = False, rows_kernel: str = "jnp") -> list[BucketResult]:
     """Each bucket's step compiled as the runner compiles it (pin_cache: the cache's layout chosen
     by the first compile, then pinned for the rest, as ModelRunner does on the TPU)."""
     builder = BatchBuilder(max_blocks_per_seq=shapes.max_blocks_per_seq, block_size=shapes.block_size,
@@ -248,7 +251,7 @@ def _compile_buckets(step, shapes: RunnerShapes, buckets, state, replicated, *, 
     results, formats = [], "auto" if pin_cache else None
     for bucket in buckets:
         start = time.perf_counter()
-        lowered = lower_bucket(step, builder, bucket, state, replicated, cache_formats=formats)
+        lowered = lower_bucket(step, builder, bucket, state, replicated, cache_formats=formats, rows_kernel=rows_kernel)
         try:
             compiled = lowered.compile()
             if pin_cache and formats == "auto":
@@ -335,7 +338,7 @@ class _LayerCost:
 
 
 def _draft_model_programs(draft: ModelConfig, shapes: RunnerShapes, *, dtype, backend, layer_loop, device,
-                          peak, bandwidth, progress) -> dict:
+                          peak, bandwidth, progress, rows_kernel: str = "jnp") -> dict:
     """The draft model's runner (engine/core/builder.py build_draft_proposer: the target's buckets
     and block tables, one more token bucket for rows catching up, one logit row per sequence)."""
     draft_shapes = dataclasses.replace(
@@ -351,7 +354,7 @@ def _draft_model_programs(draft: ModelConfig, shapes: RunnerShapes, *, dtype, ba
     results = _compile_buckets(step, draft_shapes, draft_shapes.all_buckets(), (params, (kv, kv), table),
                                replicated, layer_loop=layer_loop, num_layers=draft.num_layers, peak=peak,
                                bandwidth=bandwidth, progress=progress, label="draft bucket",
-                               pin_cache=pins_cache_layout(backend))
+                               pin_cache=pins_cache_layout(backend), rows_kernel=rows_kernel)
     return {"method": "draft_model", "model": draft.name,
             "weights_bytes": tree_bytes_per_device(params), "kv_cache_bytes": 2 * nbytes(kv),
             "table_bytes": tree_bytes_per_device(table),

@@ -352,6 +352,9 @@ def test_saved_executables_load_in_another_process_with_equal_outputs(tmp_path):
     assert saved.returncode == 0, saved.stderr[-3000:]
     assert sorted(p.name for p in folder.iterdir()) == [
         "manifest.json", "step_T4_S4_L4.pkl", "step_T8_S4_L4.pkl", "step_T8_S4_L8.pkl"]
+    # compiled with the decode rows the engine runs here (the native kernel, a custom call the
+    # loading process registers before it loads them)
+    assert json.loads((folder / "manifest.json").read_text())["knobs"]["rows_kernel"] == "native"
     loaded, compiled = _generate(str(folder)), _generate("")
     assert loaded["tokens"] == compiled["tokens"]
     assert loaded["step_compiles"] == 0  # every program loaded, the scoring bucket too
