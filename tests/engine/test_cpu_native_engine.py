@@ -49,8 +49,8 @@ def test_manifests_name_the_native_kernel_only_when_it_is_on():
 
 @pytest.fixture(scope="module")
 def engines():
-    options = dict(model="random:tiny", token_buckets=(1, 8), seq_buckets=(1, 8), max_num_seqs=8,
-                   max_num_batched_tokens=8, max_model_len=128, progress=False)
+    options = dict(model="random:tiny", token_buckets=(8,), seq_buckets=(8,), max_num_seqs=8,
+                   max_num_batched_tokens=8, max_model_len=128, prompt_scoring_bucket=False, progress=False)
     return {kernel: LLM(cpu_attention_kernel=kernel, **options) for kernel in ("native", "jnp")}
 
 

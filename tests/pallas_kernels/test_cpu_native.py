@@ -29,18 +29,16 @@ from tests.pallas_kernels.cases import (
     prepare,
     tolerance,
 )
+from tests.pallas_kernels.test_head_major import _heads_first
 from tests.pallas_kernels.test_xla import CASES, EDGE_CASES
 
-GRID = CASES[::2] + EDGE_CASES + [
+GRID = CASES[::3] + EDGE_CASES + [
     Case("d32-window", q_lens=(1, 1, 5, 1), kv_lens=(70, 9, 30, 33), pad_seqs=2, num_kv_heads=2, group=3,
          head_dim=32, sliding_window=20),
     Case("d96-bf16-cap", q_lens=(1, 1), kv_lens=(47, 130), pad_tokens=3, num_kv_heads=1, group=5, head_dim=96,
          dtype="bfloat16", soft_cap=20.0, block_size=32),
 ]
-
-
-def _heads_first(pages):
-    return jnp.swapaxes(jnp.asarray(pages), -3, -2)  # [.., block_size, Hkv, D] -> [.., Hkv, block_size, D]
+SPLIT = dict(form="split", chunk_block_q=4, chunk_tail_block_q=2)
 
 
 def _run(batch, options, rows_kernel, kv_layout="head_major", **tuning):
@@ -49,8 +47,7 @@ def _run(batch, options, rows_kernel, kv_layout="head_major", **tuning):
         md = prepare(b, backend="xla", sliding_window=options["sliding_window"], rows_kernel=rows_kernel, **tuning)
         k, v = b["k_pages"], b["v_pages"]
         if kv_layout == "head_major":
-            k, v = (ScaledCache(_heads_first(x.values), jnp.swapaxes(x.scales, -1, -2), x.kv_cache_dtype)
-                    if isinstance(x, ScaledCache) else _heads_first(x) for x in (k, v))
+            k, v = _heads_first(k), _heads_first(v)
         return ragged_paged_attention(b["q"], k, v, md, backend="xla", kv_layout=kv_layout, **options)
 
     lowered = jax.jit(layer).lower(batch)
@@ -61,19 +58,37 @@ def _arrays(case):
     return {k: (jnp.asarray(v) if k != "num_seqs" else v) for k, v in make_batch(case).items()}
 
 
-@pytest.mark.parametrize("tuning", [dict(form="split", chunk_block_q=4, chunk_tail_block_q=2),
-                                    dict(form="loop", block_q=1)], ids=["split", "loop-rows"])
-@pytest.mark.parametrize("case", GRID, ids=lambda c: c.name)
-def test_native_rows_match_the_oracle_and_the_page_loop(case, tuning):
-    batch, options = _arrays(case), case_options(case)
-    got, text = _run(batch, options, "native", **tuning)
-    loop, loop_text = _run(batch, options, "jnp", **tuning)
-    assert cpu_native.TARGET in text and cpu_native.TARGET not in loop_text
-    np.testing.assert_allclose(got, oracle(make_batch(case), **options), **tolerance(case))
-    # The page loop rounds P to bfloat16 for its product over bfloat16 pages; the kernel does not.
-    np.testing.assert_allclose(got, loop, rtol=1e-5, atol=1e-5 if case.dtype == "float32" else 2e-2)
+def _check(case, got, batch):
+    np.testing.assert_allclose(got, oracle(make_batch(case), **case_options(case)), **tolerance(case))
     live = int(batch["query_start_loc"][int(batch["num_seqs"])])
     assert not np.any(got[live:]), "padding tokens must be zeros"
+
+
+@pytest.mark.parametrize("case", GRID, ids=lambda c: c.name)
+def test_native_rows_of_the_split_form_match_the_oracle(case):
+    batch = _arrays(case)
+    got, text = _run(batch, case_options(case), "native", **SPLIT)
+    assert cpu_native.TARGET in text
+    _check(case, got, batch)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[4], GRID[-2]], ids=lambda c: c.name)
+def test_native_rows_of_the_loop_form_match_the_oracle(case):
+    """The loop form at block_q 1 (every token a row: a one-token bucket's form)."""
+    batch = _arrays(case)
+    got, text = _run(batch, case_options(case), "native", form="loop", block_q=1)
+    assert cpu_native.TARGET in text
+    _check(case, got, batch)
+
+
+@pytest.mark.parametrize("case", [CASES[3], EDGE_CASES[0], GRID[-1]], ids=lambda c: c.name)
+def test_native_rows_match_the_page_loop(case):
+    batch, options = _arrays(case), case_options(case)
+    got, _ = _run(batch, options, "native", **SPLIT)
+    loop, loop_text = _run(batch, options, "jnp", **SPLIT)
+    assert cpu_native.TARGET not in loop_text
+    # The page loop rounds P to bfloat16 for its product over bfloat16 pages; the kernel does not.
+    np.testing.assert_allclose(got, loop, rtol=1e-5, atol=1e-5 if case.dtype == "float32" else 2e-2)
 
 
 def test_a_stacked_cache_read_at_a_traced_layer_inside_a_scan():
