@@ -32,7 +32,8 @@ import numpy as np
 TARGET = "jaxserve_paged_decode"
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "paged_decode.cc")
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC")
-PAGE_DTYPES = ("float32", "bfloat16")  # the caches the kernel reads (a bfloat16 one as its bits)
+PAGE_DTYPES = ("float32", "bfloat16")  # the float caches the kernel reads (a bfloat16 one as its bits)
+KV_FORMATS = {"auto": 0, "int8": 1, "fp8_e4m3": 2}  # the kernel's kv_format: float pages, 8-bit caches
 BUILD_SECONDS = 120  # the most one compile may take
 
 
@@ -117,19 +118,30 @@ def require() -> None:
         raise NativeUnavailable(f"the native CPU attention kernel is unavailable: {unavailable_reason()}")
 
 
-def reads(dtype, scaled: bool, head_major: bool) -> bool:
-    """Whether the kernel reads these pages: float32 or bfloat16 ones, head-major, not 8-bit."""
-    return head_major and not scaled and jnp.dtype(dtype).name in PAGE_DTYPES
+def reads(dtype, kv_cache_dtype: str, head_major: bool) -> bool:
+    """Whether the kernel reads these head-major pages: float32 or bfloat16 ones, or an 8-bit
+    cache (int8, fp8_e4m3: kv_quant.ScaledCache)."""
+    if not head_major or kv_cache_dtype not in KV_FORMATS:
+        return False
+    return kv_cache_dtype != "auto" or jnp.dtype(dtype).name in PAGE_DTYPES
 
 
 def decode_rows(q, k_pages, v_pages, tables, start, end, base, *, scale: float, soft_cap: float | None,
-                num_blocks: int):
+                num_blocks: int, scales=None, kv_cache_dtype: str = "auto"):
     """The kernel's attention of one-token rows (native/paged_decode.cc's contract): q
     f32[NB, Hkv, G, D], k_pages and v_pages [L * num_blocks, Hkv, bs, D] (float32, or bfloat16 or
-    its uint16 bits), tables int32[NB, C], start and end int32[NB] (the kv positions each row
-    sees), base int32[] (the layer's first page). Returns f32[NB, Hkv, G, D]."""
+    its uint16 bits; an 8-bit cache's values with `scales`, its (k, v) scale bits uint16
+    [L * num_blocks, Hkv, bs], and its kv_cache_dtype), tables int32[NB, C], start and end
+    int32[NB] (the kv positions each row sees), base int32[] (the layer's first page). Returns
+    f32[NB, Hkv, G, D]."""
     require()
+    if kv_cache_dtype not in KV_FORMATS or (scales is None) != (kv_cache_dtype == "auto"):
+        raise ValueError(f"decode_rows reads float pages (kv_cache_dtype 'auto', no scales) or an 8-bit cache "
+                         f"(int8, fp8_e4m3, with scales); got kv_cache_dtype={kv_cache_dtype!r}, "
+                         f"scales {'given' if scales is not None else 'none'}")
+    k_scales, v_scales = scales if scales is not None else (jnp.zeros((0,), jnp.uint16),) * 2
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
-    return call(q.astype(jnp.float32), k_pages, v_pages, tables.astype(jnp.int32), start.astype(jnp.int32),
-                end.astype(jnp.int32), jnp.asarray(base, jnp.int32), scale=np.float32(scale),
-                soft_cap=np.float32(soft_cap or 0.0), num_blocks=np.int64(num_blocks))
+    return call(q.astype(jnp.float32), k_pages, v_pages, k_scales, v_scales, tables.astype(jnp.int32),
+                start.astype(jnp.int32), end.astype(jnp.int32), jnp.asarray(base, jnp.int32),
+                scale=np.float32(scale), soft_cap=np.float32(soft_cap or 0.0), num_blocks=np.int64(num_blocks),
+                kv_format=np.int64(KV_FORMATS[kv_cache_dtype]))

@@ -49,7 +49,7 @@ one vectorized loop over every row gathered pages for all 64 (BUILD_NOTES.md "CP
 forms", stop 42: that step's attention 1.7x faster). Up to ROW_LOOP_MAX rows run in one loop: a
 32-row decode step as two groups of 16 was 3-6 % slower in bfloat16 (stop 50).
 With md.rows_kernel "native" (an engine on the CPU, xla_forms.rows_kernel) the one-token rows of
-float32 and bfloat16 head-major caches run in cpu_native.py's kernel instead (`_native_rows`):
+float32, bfloat16 and 8-bit head-major caches run in cpu_native.py's kernel instead (`_native_rows`):
 each row's pages read in place, the rows on every core; the page loop above is its reference.
 """
 
@@ -268,7 +268,7 @@ def _native_rows(qb, md: metadata.AttentionMetadata, row_pos, row_ok, kv: PagedK
     start = jnp.zeros_like(end) if sliding_window is None else jnp.maximum(end - sliding_window, 0)
     out = cpu_native.decode_rows(qb[:, 0], *kv.native_pages, md.tables, start, end, kv.page_base,
                                  scale=1.0 if score_scale is None else score_scale, soft_cap=soft_cap,
-                                 num_blocks=kv.num_blocks)
+                                 num_blocks=kv.num_blocks, scales=kv.scales, kv_cache_dtype=kv.kv_cache_dtype)
     return out[:, None]
 
 
@@ -286,7 +286,7 @@ def blocks_attention(q, kv: PagedKV, md: metadata.AttentionMetadata, *, sm_scale
     row_ok = rows[None, :] < blocks.q_lens[:, None]  # [NB, bq]
     options = dict(pages_per_step=md.pages_per_step, sliding_window=sliding_window, soft_cap=soft_cap,
                    score_scale=score_scale)
-    if bq == 1 and md.rows_kernel == "native" and cpu_native.reads(kv.dtype, kv.scales is not None, kv.head_major):
+    if bq == 1 and md.rows_kernel == "native" and cpu_native.reads(kv.dtype, kv.kv_cache_dtype, kv.head_major):
         out = _native_rows(qb, md, row_pos, row_ok, kv, sliding_window=sliding_window, soft_cap=soft_cap,
                            score_scale=score_scale)
     elif bq == 1 and nb > ROW_LOOP_MAX:

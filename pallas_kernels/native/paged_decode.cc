@@ -13,17 +13,23 @@
 // Operands (row n of NB, kv head h of Hkv, G query heads per kv head, head dim D):
 //   q       f32[NB, Hkv, G, D]   the query, unscaled
 //   k, v    [P, Hkv, bs, D]      every layer's pages (P = L * num_blocks): f32, or the bits of a
-//                                bfloat16 cache (u16) or bf16
+//                                bfloat16 cache (u16) or bf16; an 8-bit cache's values (s8 int8,
+//                                u8 the bits of fp8 e4m3)
+//   k_scales, v_scales u16[P, Hkv, bs]  an 8-bit cache's scales (bfloat16 bits), one per token
+//                                and kv head (pallas_kernels/kv_quant.py); empty otherwise
 //   tables  s32[NB, C]           each row's page ids within its layer (column j: kv positions
 //                                j * bs .. j * bs + bs - 1)
 //   start   s32[NB], end s32[NB] the kv positions [start, end) the row sees (end 0: none)
 //   base    s32[]                the layer's first page: layer * num_blocks
 // Attributes: scale (the scores' factor), soft_cap (0: none; else cap * tanh(s / cap)),
-// num_blocks (pages per layer: ids are clamped into the layer, never read outside the cache).
+// num_blocks (pages per layer: ids are clamped into the layer, never read outside the cache),
+// kv_format (0 float pages, 1 int8 values with scales, 2 fp8 e4m3 values with scales).
 // Result: f32[NB, Hkv, G, D], softmax(scale * q . k) . v over the seen positions, 0 for a row
-// that sees nothing. Scores, softmax and sums are float32; bfloat16 pages are widened exactly.
+// that sees nothing. Scores, softmax and sums are float32; bfloat16 pages are widened exactly,
+// 8-bit values decoded exactly and their scales applied to the scores and to P.
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -76,10 +82,28 @@ inline float widen(uint16_t bits) {  // bfloat16 bits -> float32, exact
   return f;
 }
 
+// e4m3fn bits -> float32, exact: sign bit 7, exponent bits 3-6 (bias 7), mantissa bits 0-2;
+// exponent 0 is subnormal (mantissa * 2^-9). The NaN codes are never written (kv_quant.py).
+const std::array<float, 256> kE4m3 = [] {
+  std::array<float, 256> table{};
+  for (int bits = 0; bits < 256; ++bits) {
+    const int magnitude = bits & 0x7f, exponent = magnitude >> 3, mantissa = magnitude & 7;
+    const float x = exponent == 0 ? std::ldexp(static_cast<float>(mantissa), -9)
+                                  : std::ldexp(1.0f + mantissa / 8.0f, exponent - 7);
+    table[bits] = bits & 0x80 ? -x : x;
+  }
+  return table;
+}();
+
+inline float widen(int8_t x) { return static_cast<float>(x); }
+inline float widen(uint8_t e4m3) { return kE4m3[e4m3]; }
+
 struct Job {
   const float* q;
   const void* k;
   const void* v;
+  const uint16_t* k_scales;  // an 8-bit cache's scales (bfloat16 bits), else null
+  const uint16_t* v_scales;
   const int32_t* tables;
   const int32_t* start;
   const int32_t* end;
@@ -91,7 +115,7 @@ struct Job {
 
 // One (row, kv head), page by page with an online softmax: each page's K and V read once, one
 // after the other, and the next page's rows prefetched while this one computes.
-template <typename E, int kDim>
+template <typename E, int kDim, bool kScaled>
 void attend(const Job& job, int64_t item, std::vector<float>& scratch) {
   const int64_t n = item / job.heads, h = item % job.heads;
   const int64_t G = job.group, D = kDim ? kDim : job.dim, bs = job.block_size;
@@ -127,6 +151,14 @@ void attend(const Job& job, int64_t item, std::vector<float>& scratch) {
     const int64_t count = t1 - t0;
     const E* kp = page_at(K, column) + t0 * D;
     const E* vp = page_at(V, column) + t0 * D;
+    const uint16_t* ks = nullptr;
+    const uint16_t* vs = nullptr;
+    if constexpr (kScaled) {  // this page's scales, one per token, as the values' rows
+      const int64_t id = std::min<int64_t>(std::max<int32_t>(table[column], 0), job.num_blocks - 1);
+      const int64_t row = ((job.base + id) * job.heads + h) * bs + t0;
+      ks = job.k_scales + row;
+      vs = job.v_scales + row;
+    }
     for (int64_t t = 0; t < count; ++t) {
       const E* k = kp + t * D;
       for (int64_t g = 0; g < G; ++g) {
@@ -134,7 +166,7 @@ void attend(const Job& job, int64_t item, std::vector<float>& scratch) {
         float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
         for (int64_t d = 0; d < D; ++d) dot += qg[d] * widen(k[d]);
-        s[g * bs + t] = dot * job.scale;
+        s[g * bs + t] = kScaled ? dot * job.scale * widen(ks[t]) : dot * job.scale;
       }
     }
     for (int64_t g = 0; g < G; ++g) {
@@ -161,6 +193,10 @@ void attend(const Job& job, int64_t item, std::vector<float>& scratch) {
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) o[d] *= alpha;
       }
+    }
+    if constexpr (kScaled) {  // P times each token's V scale: the value rows stay 8-bit
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t t = 0; t < count; ++t) s[g * bs + t] *= widen(vs[t]);
     }
     for (int64_t g = 0; g < G; ++g) {
       float* o = out + g * D;
@@ -193,11 +229,13 @@ void attend(const Job& job, int64_t item, std::vector<float>& scratch) {
   }
 }
 
-template <typename E>
+template <typename E, bool kScaled>
 void drain(Job* job) {
   std::vector<float> scores;
   const int64_t items = job->rows * job->heads;
-  auto one = job->dim == 64 ? attend<E, 64> : job->dim == 128 ? attend<E, 128> : attend<E, 0>;
+  auto one = job->dim == 64    ? attend<E, 64, kScaled>
+             : job->dim == 128 ? attend<E, 128, kScaled>
+                               : attend<E, 0, kScaled>;
   for (int64_t item; (item = job->next.fetch_add(1, std::memory_order_relaxed)) < items;) {
     one(*job, item, scores);
   }
@@ -217,9 +255,10 @@ std::string dims(ffi::Span<const int64_t> d) {
 }
 
 ffi::Future paged_decode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                         ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> start, ffi::Buffer<ffi::S32> end,
-                         ffi::Buffer<ffi::S32> base, ffi::ResultBuffer<ffi::F32> out, float scale, float soft_cap,
-                         int64_t num_blocks) {
+                         ffi::AnyBuffer k_scales, ffi::AnyBuffer v_scales, ffi::Buffer<ffi::S32> tables,
+                         ffi::Buffer<ffi::S32> start, ffi::Buffer<ffi::S32> end, ffi::Buffer<ffi::S32> base,
+                         ffi::ResultBuffer<ffi::F32> out, float scale, float soft_cap, int64_t num_blocks,
+                         int64_t kv_format) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), td = tables.dimensions();
   if (qd.size() != 4) return failed("q must be [rows, kv heads, group, head dim]; got " + dims(qd));
   if (kd.size() != 4 || kd[1] != qd[1] || kd[3] != qd[3])
@@ -227,8 +266,23 @@ ffi::Future paged_decode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Any
   if (vd.size() != 4 || !std::equal(kd.begin(), kd.end(), vd.begin()) || v.element_type() != k.element_type())
     return failed("v must match k " + dims(kd) + "; got " + dims(vd));
   const auto type = k.element_type();
-  if (type != ffi::F32 && type != ffi::U16 && type != ffi::BF16)
-    return failed("k and v must be float32, bfloat16 or bfloat16 bits (uint16)");
+  void (*run)(Job*) = nullptr;
+  if (kv_format == 0 && type == ffi::F32) run = drain<float, false>;
+  if (kv_format == 0 && (type == ffi::U16 || type == ffi::BF16)) run = drain<uint16_t, false>;
+  if (kv_format == 1 && type == ffi::S8) run = drain<int8_t, true>;
+  if (kv_format == 2 && type == ffi::U8) run = drain<uint8_t, true>;
+  if (run == nullptr)
+    return failed("k and v must be float32, bfloat16 or bfloat16 bits (uint16) with kv_format 0, int8 "
+                  "values with kv_format 1, or fp8 e4m3 bits (uint8) with kv_format 2; got kv_format " +
+                  std::to_string(kv_format));
+  if (kv_format != 0) {
+    const auto sd = k_scales.dimensions(), vsd = v_scales.dimensions();
+    if (k_scales.element_type() != ffi::U16 || v_scales.element_type() != ffi::U16 || sd.size() != 3 ||
+        vsd.size() != 3 || !std::equal(sd.begin(), sd.end(), kd.begin()) ||
+        !std::equal(sd.begin(), sd.end(), vsd.begin()))
+      return failed("an 8-bit cache's scales must be bfloat16 bits (uint16) [pages, kv heads, block size] = " +
+                    dims(kd) + " without its head dim; got " + dims(sd));
+  }
   if (td.size() != 2 || td[0] != qd[0]) return failed("tables must be [rows, columns]; got " + dims(td));
   if (start.element_count() != qd[0] || end.element_count() != qd[0] || base.element_count() != 1)
     return failed("start and end need one entry per row and base one value");
@@ -241,6 +295,8 @@ ffi::Future paged_decode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Any
   job->q = q.typed_data();
   job->k = k.untyped_data();
   job->v = v.untyped_data();
+  job->k_scales = kv_format != 0 ? static_cast<const uint16_t*>(k_scales.untyped_data()) : nullptr;
+  job->v_scales = kv_format != 0 ? static_cast<const uint16_t*>(v_scales.untyped_data()) : nullptr;
   job->tables = tables.typed_data();
   job->start = start.typed_data();
   job->end = end.typed_data();
@@ -255,7 +311,6 @@ ffi::Future paged_decode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Any
   job->columns = td[1];
   job->scale = scale;
   job->cap = soft_cap;
-  void (*run)(Job*) = type == ffi::F32 ? drain<float> : drain<uint16_t>;
 
   // The calling thread drains items too; each pool task joins it until the items run out.
   const int64_t items = job->rows * job->heads;
@@ -281,6 +336,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedDecode, paged_decode,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
                                   .Arg<ffi::AnyBuffer>()         // k pages
                                   .Arg<ffi::AnyBuffer>()         // v pages
+                                  .Arg<ffi::AnyBuffer>()         // k scales (8-bit caches)
+                                  .Arg<ffi::AnyBuffer>()         // v scales
                                   .Arg<ffi::Buffer<ffi::S32>>()  // tables
                                   .Arg<ffi::Buffer<ffi::S32>>()  // start
                                   .Arg<ffi::Buffer<ffi::S32>>()  // end
@@ -288,4 +345,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedDecode, paged_decode,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale")
                                   .Attr<float>("soft_cap")
-                                  .Attr<int64_t>("num_blocks"));
+                                  .Attr<int64_t>("num_blocks")
+                                  .Attr<int64_t>("kv_format"));

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import cpu_native, ragged_paged_attention, write_kv, xla_forms
-from pallas_kernels.kv_quant import ScaledCache, quantize_kv
+from pallas_kernels.kv_quant import ScaledCache, dequantize_kv, quantize_kv
 from tests.pallas_kernels.cases import (
     Case,
     case_options,
@@ -122,19 +122,36 @@ def test_a_stacked_cache_read_at_a_traced_layer_inside_a_scan():
 
 
 def _quantized(batch, kv_cache_dtype):
-    out = dict(batch)
+    """(the batch with an 8-bit cache, the batch with that cache dequantized for the oracle)."""
+    scaled, dequantized = dict(batch), dict(batch)
     for name in ("k_pages", "v_pages"):
-        out[name] = ScaledCache(*quantize_kv(jnp.asarray(batch[name]), kv_cache_dtype), kv_cache_dtype)
-    return out
+        values, scales = quantize_kv(jnp.asarray(batch[name]), kv_cache_dtype)
+        scaled[name] = ScaledCache(values, scales, kv_cache_dtype)
+        dequantized[name] = np.asarray(dequantize_kv(values, scales, kv_cache_dtype), np.float64)
+    return scaled, dequantized
 
 
-@pytest.mark.parametrize("what", ["token-major", "int8-cache", "float16"])
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[3], GRID[-2]], ids=lambda c: c.name)
+def test_native_rows_read_an_8bit_cache_as_the_oracle_reads_it_dequantized(case, kv_cache_dtype):
+    """Values decoded exactly (int8 widened, e4m3 through its table) and each token's scale on
+    its score and on its P: the oracle over the dequantized cache, and the page loop."""
+    scaled, dequantized = _quantized(make_batch(case), kv_cache_dtype)
+    arrays = {k: (jnp.asarray(v) if k not in ("num_seqs", "k_pages", "v_pages") else v) for k, v in scaled.items()}
+    options = case_options(case)
+    got, text = _run(arrays, options, "native", **SPLIT)
+    assert cpu_native.TARGET in text
+    tol = dict(atol=2e-2, rtol=2e-2) if case.dtype == "bfloat16" else dict(atol=2e-4, rtol=2e-4)
+    np.testing.assert_allclose(got, oracle(dequantized, **options), **tol)
+    loop, _ = _run(arrays, options, "jnp", **SPLIT)
+    np.testing.assert_allclose(got, loop, rtol=1e-4, atol=1e-4 if case.dtype == "float32" else 2e-2)
+
+
+@pytest.mark.parametrize("what", ["token-major", "float16"])
 def test_caches_the_kernel_does_not_read_keep_the_page_loop(what):
     case = Case("other", q_lens=(1, 4, 1), kv_lens=(30, 9, 41), num_kv_heads=2, group=2)
     batch, options = _arrays(case), case_options(case)
     layout = "token_major" if what == "token-major" else "head_major"
-    if what == "int8-cache":
-        batch = _quantized(batch, "int8")
     if what == "float16":
         batch = {**batch, **{k: batch[k].astype(jnp.float16) for k in ("q", "k_pages", "v_pages")}}
     got, text = _run(batch, options, "native", kv_layout=layout)
@@ -170,6 +187,9 @@ def test_the_kernel_refuses_inputs_outside_its_contract_by_name():
         call(q, pages, 6, 5).block_until_ready()
     with pytest.raises(Exception, match="jaxserve_paged_decode: k and v must be"):
         call(q, pages.astype(jnp.float16), 0, 5).block_until_ready()
+    with pytest.raises(ValueError, match="decode_rows reads float pages"):
+        cpu_native.decode_rows(q, pages, pages, tables, ends, ends, 0, scale=1.0, soft_cap=None, num_blocks=5,
+                               kv_cache_dtype="int8")
     with pytest.raises(ValueError, match="rows_kernel must be one of"):
         with xla_forms.rows_kernel("fast"):
             pass
