@@ -105,11 +105,12 @@ class PagedKV:
     ([L * num_blocks, Hkv, bs] head-major)."""
 
     def __init__(self, k_pages, v_pages, page_base, dtype, block_size, scales=None, kv_cache_dtype="auto",
-                 kv_layout="token_major", q_dtype=None, num_blocks=None):
+                 kv_layout="token_major", q_dtype=None, num_blocks=None, native_pages=None):
         self.k_pages, self.v_pages = k_pages, v_pages  # [L * num_blocks, *page_shape] (bits)
         self.page_base = page_base  # int (static) or int32[]: layer * num_blocks
         self.num_blocks = num_blocks or k_pages.shape[0]  # pages per layer
-        self.native_pages = (k_pages, v_pages)  # what the native rows kernel reads (cpu_native.py)
+        # What the native rows kernel reads (cpu_native.py): the pages as stored where not given.
+        self.native_pages = native_pages or (k_pages, v_pages)
         self.dtype = dtype  # the dtype the pages hold (the float type for a uint16 cache)
         self.block_size = block_size
         self.scales = scales  # None, or (k, v) scale pages (bfloat16 bits) of an 8-bit cache
@@ -133,12 +134,11 @@ class PagedKV:
         dtype = jnp.asarray(k_cache).dtype
         if dtype == jnp.uint16:
             dtype = q_dtype
-        kv = cls(jnp.reshape(as_bits(k_cache), page_shape), jnp.reshape(as_bits(v_cache), page_shape),
-                 validation.layer_index(layer) * cache.num_blocks, dtype, block_size, kv_layout=cache.kv_layout,
-                 q_dtype=q_dtype, num_blocks=cache.num_blocks)
         # The native kernel reads a bfloat16 cache as it is (its bits would be a copy of the cache).
-        kv.native_pages = (jnp.reshape(k_cache, page_shape), jnp.reshape(v_cache, page_shape))
-        return kv
+        return cls(jnp.reshape(as_bits(k_cache), page_shape), jnp.reshape(as_bits(v_cache), page_shape),
+                   validation.layer_index(layer) * cache.num_blocks, dtype, block_size, kv_layout=cache.kv_layout,
+                   q_dtype=q_dtype, num_blocks=cache.num_blocks,
+                   native_pages=(jnp.reshape(k_cache, page_shape), jnp.reshape(v_cache, page_shape)))
 
     def query(self, qb, sm_scale):
         """A query block in the products' operand dtype and the scale its scores still take: float32

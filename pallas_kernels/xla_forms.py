@@ -49,13 +49,17 @@ def choose_form(num_tokens: int, max_num_seqs: int) -> str:
 def rows_kernel(kernel: str):
     """Within: metadata prepared without an explicit rows_kernel runs its one-token rows with
     `kernel` (one of ROWS_KERNELS)."""
-    if kernel not in ROWS_KERNELS:
-        raise ValueError(f"rows_kernel must be one of {ROWS_KERNELS}; got {kernel!r}")
-    token = _ROWS_KERNEL.set(kernel)
+    token = _ROWS_KERNEL.set(_checked_rows_kernel(kernel))
     try:
         yield
     finally:
         _ROWS_KERNEL.reset(token)
+
+
+def _checked_rows_kernel(kernel: str) -> str:
+    if kernel not in ROWS_KERNELS:
+        raise ValueError(f"rows_kernel must be one of {ROWS_KERNELS}; got {kernel!r}")
+    return kernel
 
 
 def choose_pages_per_step(block_size: int, max_blocks_per_seq: int, kv_positions: int) -> int:
@@ -85,9 +89,7 @@ def prepare_xla(
     loop of either form), chunk_block_q, chunk_pages_per_step and chunk_tail_block_q (split form) override the
     static choices; rows_kernel (ROWS_KERNELS) the `rows_kernel(...)` context's.
     """
-    kernel = _ROWS_KERNEL.get() if rows_kernel is None else rows_kernel
-    if kernel not in ROWS_KERNELS:
-        raise ValueError(f"rows_kernel must be one of {ROWS_KERNELS} (or None: the context's); got {rows_kernel!r}")
+    kernel = _ROWS_KERNEL.get() if rows_kernel is None else _checked_rows_kernel(rows_kernel)
     if form is None:  # a block_q is a loop-form block size: asking for one asks for the loop form
         form = "loop" if block_q is not None else choose_form(shapes.num_tokens, shapes.max_num_seqs)
     if form not in FORMS:

@@ -133,15 +133,17 @@ void attend(const Job& job, int64_t item, std::vector<float>& scratch) {
   const E* K = static_cast<const E*>(job.k);
   const E* V = static_cast<const E*>(job.v);
   const int64_t row_elems = bs * D;  // one (page, head) row
-  auto page_at = [&](const E* pages, int64_t column) {
+  // (page, head) row of a column's page in the whole cache, its id clamped into the layer
+  auto page_row = [&](int64_t column) {
     const int64_t id = std::min<int64_t>(std::max<int32_t>(table[column], 0), job.num_blocks - 1);
-    return pages + ((job.base + id) * job.heads + h) * row_elems;
+    return (job.base + id) * job.heads + h;
   };
   const int64_t first = lo / bs, last = (hi - 1) / bs;
   for (int64_t column = first; column <= last; ++column) {
     if (column < last) {  // the next page's K and V rows, ahead of their use
-      const char* nk = reinterpret_cast<const char*>(page_at(K, column + 1));
-      const char* nv = reinterpret_cast<const char*>(page_at(V, column + 1));
+      const int64_t next = page_row(column + 1) * row_elems;
+      const char* nk = reinterpret_cast<const char*>(K + next);
+      const char* nv = reinterpret_cast<const char*>(V + next);
       for (int64_t b = 0; b < row_elems * static_cast<int64_t>(sizeof(E)); b += 64) {
         __builtin_prefetch(nk + b);
         __builtin_prefetch(nv + b);
@@ -149,16 +151,12 @@ void attend(const Job& job, int64_t item, std::vector<float>& scratch) {
     }
     const int64_t t0 = std::max(lo, column * bs) - column * bs, t1 = std::min(hi, column * bs + bs) - column * bs;
     const int64_t count = t1 - t0;
-    const E* kp = page_at(K, column) + t0 * D;
-    const E* vp = page_at(V, column) + t0 * D;
-    const uint16_t* ks = nullptr;
-    const uint16_t* vs = nullptr;
-    if constexpr (kScaled) {  // this page's scales, one per token, as the values' rows
-      const int64_t id = std::min<int64_t>(std::max<int32_t>(table[column], 0), job.num_blocks - 1);
-      const int64_t row = ((job.base + id) * job.heads + h) * bs + t0;
-      ks = job.k_scales + row;
-      vs = job.v_scales + row;
-    }
+    const int64_t row = page_row(column);
+    const E* kp = K + row * row_elems + t0 * D;
+    const E* vp = V + row * row_elems + t0 * D;
+    // An 8-bit cache's scales of those tokens (one per token, rows as the values'); else unused.
+    const uint16_t* ks = kScaled ? job.k_scales + row * bs + t0 : nullptr;
+    const uint16_t* vs = kScaled ? job.v_scales + row * bs + t0 : nullptr;
     for (int64_t t = 0; t < count; ++t) {
       const E* k = kp + t * D;
       for (int64_t g = 0; g < G; ++g) {
